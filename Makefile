@@ -1,0 +1,37 @@
+# Two commands: `make test` and `make demo`. Both set up .venv first, idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRAS := test,nixl
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo bench clean sysdeps
+
+venv: $(STAMP)
+
+# libibverbs1 is what the Mooncake transfer engine links against even on hosts without RDMA.
+sysdeps:
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+	  else \
+	    echo "warning: libibverbs.so.1 missing and not root; install Debian package libibverbs1 for Mooncake"; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml | sysdeps
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	@touch $@
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(VENV)/bin/kvconnect demo
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
