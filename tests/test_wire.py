@@ -1,0 +1,511 @@
+"""The wire schema: round trips, strict validation at the edge, size limits, compatibility checks."""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import pathlib
+import pickle
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvconnect
+from kvconnect import wire
+from kvconnect.wire import (
+    Abort,
+    Compat,
+    Done,
+    EngineMetadata,
+    Heartbeat,
+    RegionMeta,
+    TransferParams,
+    WireError,
+)
+
+PACKAGE = pathlib.Path(kvconnect.__file__).parent
+
+
+def region(**overrides: object) -> RegionMeta:
+    fields = dict(
+        names=("model.layers.0.attn",),
+        base_addr=0x7F00_0000_0000,
+        num_blocks=8,
+        block_bytes=4096,
+        block_stride=4096,
+        device_id=0,
+        memory_kind="VRAM",
+    )
+    fields.update(overrides)
+    return RegionMeta(**fields)
+
+
+def metadata(**overrides: object) -> EngineMetadata:
+    fields = dict(
+        engine_id="prefill-0",
+        incarnation=wire.process_incarnation(),
+        rank=0,
+        world_size=2,
+        transport="nixl",
+        transport_metadata=b"\x00agent-blob\xff",
+        regions=(region(), region(names=("model.layers.1.attn",), base_addr=0x7F10_0000_0000)),
+        block_size=16,
+        layout="LBHNC",
+        dtype="bfloat16",
+        layout_fingerprint="ab" * 32,
+    )
+    fields.update(overrides)
+    return EngineMetadata(**fields)
+
+
+def params(**overrides: object) -> TransferParams:
+    fields = dict(
+        engine_id="prefill-0",
+        host="10.0.0.7",
+        port=5600,
+        request_id="req-1",
+        block_ids=[[3, 4, 5], [9]],
+        num_tokens=40,
+        lease_expiry=1_900_000_000.5,
+        incarnation="0" * 32,
+    )
+    fields.update(overrides)
+    return TransferParams(**fields)
+
+
+def as_dict(struct: msgspec.Struct) -> dict:
+    """The message as plain msgpack objects (bytes stay bytes), ready to be tampered with."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(struct))
+
+
+# --------------------------------------------------------------------------------------------------
+# Round trips
+
+
+def test_metadata_round_trips_through_msgpack() -> None:
+    meta = metadata()
+    assert wire.decode_metadata(wire.encode_metadata(meta)) == meta
+
+
+def test_metadata_compat_carries_every_fingerprint_field() -> None:
+    meta = metadata()
+    compat = meta.compat()
+    assert compat == Compat(
+        protocol_version=wire.PROTOCOL_VERSION,
+        transport="nixl",
+        layout="LBHNC",
+        dtype="bfloat16",
+        block_size=16,
+        layout_fingerprint="ab" * 32,
+    )
+
+
+def test_transfer_params_round_trip_msgpack_and_json_builtins() -> None:
+    p = params()
+    assert wire.decode_transfer_params(wire.encode_transfer_params(p)) == p
+    via_json = msgspec.json.decode(msgspec.json.encode(wire.transfer_params_to_builtins(p)))
+    assert wire.transfer_params_from_builtins(via_json) == p
+
+
+@pytest.mark.parametrize(
+    "note",
+    [
+        Done(engine_id="decode-0", rank=1, request_ids=("req-1",)),
+        Abort(engine_id="decode-0", rank=0, request_ids=("req-2", "req-3"), reason="client went away"),
+        Heartbeat(engine_id="decode-0", rank=0, request_ids=("req-1", "req-2")),
+        Heartbeat(engine_id="decode-0", rank=0, request_ids=()),
+    ],
+)
+def test_notifications_round_trip_as_one_tagged_union(note: msgspec.Struct) -> None:
+    decoded = wire.decode_notification(wire.encode_notification(note))
+    assert type(decoded) is type(note)
+    assert decoded == note
+
+
+def test_handshake_envelopes_round_trip() -> None:
+    env = wire.RequestEnvelope(
+        protocol_version=wire.PROTOCOL_VERSION,
+        body=wire.encode_request(wire.HandshakeRequest(rank=3)),
+        nonce=wire.new_nonce(),
+        timestamp=1_700_000_000.25,
+        mac=b"m" * 32,
+    )
+    assert wire.decode_request_envelope(wire.encode_request_envelope(env)) == env
+    assert wire.decode_request(env.body) == wire.HandshakeRequest(rank=3)
+    replies = [
+        wire.HandshakeReply(compat=metadata().compat(), payload=wire.encode_metadata(metadata())),
+        wire.HandshakeRejection(reason="replay", detail="nonce reused"),
+        wire.ClaimReply(granted={"req-1": 1_900_000_000.0}, refused={"req-2": "lease expired"}),
+        wire.Ack(live=("req-1",)),
+    ]
+    for reply in replies:
+        decoded = wire.decode_reply_body(wire.encode_reply_body(reply))
+        assert type(decoded) is type(reply) and decoded == reply
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        wire.HandshakeRequest(rank=1),
+        wire.Claim(engine_id="decode-0", rank=0, request_ids=("req-1", "req-2"), need_s=12.5),
+        Done(engine_id="decode-0", rank=0, request_ids=("req-1",)),
+        Abort(engine_id="decode-0", rank=0, request_ids=("req-1",)),
+        Heartbeat(engine_id="decode-0", rank=0, request_ids=("req-1",)),
+    ],
+)
+def test_request_bodies_round_trip_as_one_tagged_union(msg: msgspec.Struct) -> None:
+    decoded = wire.decode_request(wire.encode_request(msg))
+    assert type(decoded) is type(msg) and decoded == msg
+
+
+@pytest.mark.parametrize("need_s", [-1.0, math.nan, math.inf, 1e9])
+def test_claim_refuses_unbounded_or_negative_need(need_s: float) -> None:
+    fields = as_dict(wire.Claim(engine_id="d", rank=0, request_ids=("r",), need_s=1.0))
+    with pytest.raises(WireError, match="need_s"):
+        wire.decode_request(msgspec.msgpack.encode({**fields, "need_s": need_s}))
+
+
+# --------------------------------------------------------------------------------------------------
+# Strictness
+
+
+def test_unknown_fields_are_rejected_everywhere() -> None:
+    cases = [
+        (wire.decode_metadata, as_dict(metadata())),
+        (wire.decode_transfer_params, as_dict(params())),
+        (wire.decode_notification, as_dict(Done(engine_id="e", rank=0, request_ids=("r",)))),
+        (wire.decode_request, {"kind": "metadata", "rank": 0}),
+        (wire.decode_request, as_dict(wire.Claim(engine_id="e", rank=0, request_ids=("r",), need_s=1.0))),
+        (wire.decode_reply_body, as_dict(wire.Ack(live=("r",)))),
+        (wire.decode_request_envelope, {"protocol_version": 1, "body": b""}),
+        (wire.decode_reply_envelope, {"protocol_version": 1, "body": b""}),
+    ]
+    for decode, fields in cases:
+        decode(msgspec.msgpack.encode(fields))  # the untouched message is fine
+        with pytest.raises(WireError, match="unknown field"):
+            decode(msgspec.msgpack.encode({**fields, "extra": 1}))
+
+
+def test_unknown_fields_inside_nested_structs_are_rejected() -> None:
+    fields = as_dict(metadata())
+    fields["regions"][0]["pinned"] = True
+    with pytest.raises(WireError, match="unknown field"):
+        wire.decode_metadata(msgspec.msgpack.encode(fields))
+
+
+def test_wrong_types_are_rejected_not_coerced() -> None:
+    fields = as_dict(metadata())
+    fields["rank"] = "0"
+    with pytest.raises(WireError, match="rank"):
+        wire.decode_metadata(msgspec.msgpack.encode(fields))
+    fields = wire.transfer_params_to_builtins(params())
+    fields["port"] = "5600"
+    with pytest.raises(WireError, match="port"):
+        wire.transfer_params_from_builtins(fields)
+
+
+def test_rank_must_be_below_world_size() -> None:
+    fields = as_dict(metadata())
+    fields["rank"] = fields["world_size"]
+    with pytest.raises(WireError, match="world_size"):
+        wire.decode_metadata(msgspec.msgpack.encode(fields))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"base_addr": -1}, "base_addr"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"block_bytes": 0}, "block_bytes"),
+        ({"block_stride": -4096}, "block_stride"),
+        ({"device_id": -1}, "device_id"),
+        ({"memory_kind": "HBM"}, "memory_kind"),
+        ({"names": []}, "names"),
+        ({"names": [""]}, "names"),
+        ({"block_stride": 1024}, "block_stride"),  # blocks would overlap
+        ({"base_addr": (1 << 63) - 4096}, "address"),  # runs off the end of the address range
+    ],
+)
+def test_region_values_are_validated_on_decode(overrides: dict, match: str) -> None:
+    fields = as_dict(region())
+    fields.update(overrides)
+    with pytest.raises(WireError, match=match):
+        wire.decode_metadata(msgspec.msgpack.encode({**as_dict(metadata()), "regions": [fields]}))
+
+
+def test_single_block_region_may_have_any_stride() -> None:
+    fields = {**as_dict(region()), "num_blocks": 1, "block_stride": 0}
+    meta = wire.decode_metadata(msgspec.msgpack.encode({**as_dict(metadata()), "regions": [fields]}))
+    assert meta.regions[0].block_stride == 0
+
+
+@pytest.mark.parametrize("lease", [math.nan, math.inf, -math.inf, -1.0])
+def test_transfer_params_refuse_non_finite_or_negative_lease(lease: float) -> None:
+    fields = {**as_dict(params()), "lease_expiry": lease}
+    with pytest.raises(WireError, match="lease_expiry"):
+        wire.decode_transfer_params(msgspec.msgpack.encode(fields))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"port": 0}, "port"),
+        ({"port": 65536}, "port"),
+        ({"block_ids": []}, "block_ids"),
+        ({"block_ids": [[1, -2]]}, "block_ids"),
+        ({"block_ids": [[1.5]]}, "block_ids"),
+        ({"num_tokens": -1}, "num_tokens"),
+        ({"request_id": ""}, "request_id"),
+    ],
+)
+def test_transfer_params_values_are_validated(overrides: dict, match: str) -> None:
+    fields = {**as_dict(params()), **overrides}
+    with pytest.raises(WireError, match=match):
+        wire.decode_transfer_params(msgspec.msgpack.encode(fields))
+    with pytest.raises(WireError, match=match):
+        wire.transfer_params_from_builtins(fields)
+
+
+def test_notification_with_unknown_or_missing_kind_is_rejected() -> None:
+    fields = as_dict(Done(engine_id="e", rank=0, request_ids=("r",)))
+    with pytest.raises(WireError):
+        wire.decode_notification(msgspec.msgpack.encode({**fields, "kind": "shutdown"}))
+    del fields["kind"]
+    with pytest.raises(WireError):
+        wire.decode_notification(msgspec.msgpack.encode(fields))
+
+
+def test_list_length_caps_are_enforced() -> None:
+    ids = [f"r{i}" for i in range(wire.MAX_HEARTBEAT_IDS + 1)]
+    for kind in ("heartbeat", "done", "abort"):
+        note = {"kind": kind, "engine_id": "e", "rank": 0, "request_ids": ids}
+        with pytest.raises(WireError, match="length"):
+            wire.decode_notification(msgspec.msgpack.encode(note))
+    fields = {**as_dict(params()), "block_ids": [[1]] * (wire.MAX_KV_GROUPS + 1)}
+    with pytest.raises(WireError, match="length"):
+        wire.decode_transfer_params(msgspec.msgpack.encode(fields))
+
+
+# --------------------------------------------------------------------------------------------------
+# Size limits
+
+
+@pytest.mark.parametrize(
+    ("decode", "limit"),
+    [
+        (wire.decode_request_envelope, wire.MAX_REQUEST_BYTES),
+        (wire.decode_notification, wire.MAX_NOTIFICATION_BYTES),
+        (wire.decode_transfer_params, wire.MAX_TRANSFER_PARAMS_BYTES),
+        (wire.decode_metadata, wire.MAX_METADATA_BYTES),
+        (wire.decode_reply_envelope, wire.MAX_REPLY_BYTES),
+    ],
+)
+def test_oversized_input_is_refused_before_decoding(decode, limit: int) -> None:
+    # Garbage over the limit must be reported as too large: the schema never got to see it.
+    with pytest.raises(WireError, match="limit"):
+        decode(memoryview(b"\xc1" * (limit + 1)))
+    with pytest.raises(WireError, match="malformed"):
+        decode(b"\xc1")
+
+
+def test_oversized_message_is_refused_at_encode_time() -> None:
+    note = Heartbeat(engine_id="e", rank=0, request_ids=tuple("x" * 100 + str(i) for i in range(2000)))
+    with pytest.raises(WireError, match="limit"):
+        wire.encode_notification(note)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compatibility
+
+
+def test_check_compat_accepts_equal_fingerprints() -> None:
+    wire.check_compat(metadata().compat(), metadata().compat())
+
+
+def test_check_compat_names_every_differing_field_with_both_values() -> None:
+    ours = metadata().compat()
+    theirs = metadata(block_size=32, dtype="float16", layout="BLHNC").compat()
+    with pytest.raises(kvconnect.HandshakeError) as info:
+        wire.check_compat(ours, theirs)
+    message = str(info.value)
+    for field, mine, peer in (("block_size", 16, 32), ("dtype", "bfloat16", "float16"), ("layout", "LBHNC", "BLHNC")):
+        assert field in message
+        assert repr(mine) in message and repr(peer) in message
+    assert "transport" not in message
+    assert {name for name, _, _ in info.value.differences} == {"block_size", "dtype", "layout"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("protocol_version", wire.PROTOCOL_VERSION + 1),
+        ("transport", "mooncake"),
+        ("layout_fingerprint", "cd" * 32),
+    ],
+)
+def test_check_compat_names_a_single_differing_field(field: str, value: object) -> None:
+    ours = metadata().compat()
+    theirs = msgspec.structs.replace(ours, **{field: value})
+    with pytest.raises(wire.IncompatiblePeerError, match=field):
+        wire.check_compat(ours, theirs)
+
+
+def test_version_probe_reads_messages_of_another_schema() -> None:
+    future = msgspec.msgpack.encode({"protocol_version": 9, "shiny_new_field": [1, 2]})
+    assert wire.probe_protocol_version(future) == 9
+    assert wire.probe_protocol_version(b"\x01\x02") is None
+    assert wire.probe_protocol_version(msgspec.msgpack.encode({"protocol_version": "9"})) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# MACs and identity
+
+
+def test_request_mac_covers_version_nonce_timestamp_and_body() -> None:
+    key = b"k" * 32
+    base = wire.request_mac(key, 1, b"n" * 16, 100.0, b"body")
+    assert len(base) == wire.MAC_BYTES
+    assert base == wire.request_mac(key, 1, b"n" * 16, 100.0, b"body")
+    variants = [
+        wire.request_mac(b"K" * 32, 1, b"n" * 16, 100.0, b"body"),
+        wire.request_mac(key, 2, b"n" * 16, 100.0, b"body"),
+        wire.request_mac(key, 1, b"m" * 16, 100.0, b"body"),
+        wire.request_mac(key, 1, b"n" * 16, 100.5, b"body"),
+        wire.request_mac(key, 1, b"n" * 16, 100.0, b"bodY"),
+        # Moving bytes between nonce and body must change the MAC.
+        wire.request_mac(key, 1, b"n" * 16 + b"b", 100.0, b"ody"),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_reply_mac_is_bound_to_the_request_nonce() -> None:
+    key = b"k" * 32
+    assert wire.reply_mac(key, 1, b"a" * 16, b"body") != wire.reply_mac(key, 1, b"b" * 16, b"body")
+    assert wire.reply_mac(key, 1, b"a" * 16, b"body") != wire.request_mac(key, 1, b"a" * 16, 0.0, b"body")
+
+
+def test_process_incarnation_is_stable_and_fresh_after_fork() -> None:
+    first = wire.process_incarnation()
+    assert first == wire.process_incarnation()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.write(write_fd, wire.process_incarnation().encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    child = os.read(read_fd, 128).decode()
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    assert child and child != first
+
+
+def test_regions_round_trip_through_the_wire() -> None:
+    torch = pytest.importorskip("torch")
+    from kvconnect.regions import RegionSet
+
+    caches = {f"model.layers.{i}.attn": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16) for i in range(3)}
+    regions = RegionSet.from_kv_caches(caches)
+    sent = wire.regions_to_wire(regions)
+    decoded = wire.decode_metadata(wire.encode_metadata(metadata(regions=sent))).regions
+    rebuilt = wire.regions_from_wire(decoded)
+    assert rebuilt.regions == regions.regions
+
+
+def test_regions_from_wire_refuses_overlapping_regions() -> None:
+    pytest.importorskip("kvconnect.regions")
+    with pytest.raises(WireError, match="regions"):
+        wire.regions_from_wire([region(), region(names=("other",))])
+
+
+# --------------------------------------------------------------------------------------------------
+# Fuzzing the decoders
+
+_msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=16,
+)
+
+_DECODERS = [
+    wire.decode_request_envelope,
+    wire.decode_request,
+    wire.decode_reply_envelope,
+    wire.decode_reply_body,
+    wire.decode_metadata,
+    wire.decode_transfer_params,
+    wire.decode_notification,
+]
+
+
+class _Explodes:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.one_of(
+        st.binary(max_size=512),
+        _msgpack_values.map(msgspec.msgpack.encode),
+        st.just(pickle.dumps(_Explodes())),
+    )
+)
+def test_decoders_raise_only_wire_error_on_arbitrary_input(data: bytes) -> None:
+    for decode in _DECODERS:
+        try:
+            decode(data)
+        except WireError:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(sorted(as_dict(params()))), _msgpack_values, max_size=10))
+def test_transfer_params_validation_raises_only_wire_error(fields: dict) -> None:
+    try:
+        wire.transfer_params_from_builtins(fields)
+    except WireError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Source-level guarantees
+
+
+def _modules() -> list[pathlib.Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_kvconnect_module_uses_an_object_serializer_that_executes_code() -> None:
+    banned_modules = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve"}
+    banned_calls = {"recv_pyobj", "send_pyobj", "recv_serialized"}
+    offenders = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.split(".")[0]]
+            if banned_modules.intersection(names):
+                offenders.append(f"{path.name}:{node.lineno} imports {names}")
+            if isinstance(node, ast.Attribute) and node.attr in banned_calls:
+                offenders.append(f"{path.name}:{node.lineno} calls {node.attr}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("name", ["wire.py", "handshake.py"])
+def test_network_facing_modules_guard_nothing_with_assert(name: str) -> None:
+    tree = ast.parse((PACKAGE / name).read_text())
+    lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert not lines, f"{name} uses assert at lines {lines}; it vanishes under python -O"
