@@ -196,6 +196,7 @@ class RegionSet:
         self._num_blocks = np.array([r.num_blocks for r in self.regions], dtype=np.int64)
         self._contiguous = np.array([r.contiguous for r in self.regions], dtype=bool)
         self._all = np.arange(len(self.regions))
+        self._tensors: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> RegionSet:
@@ -203,7 +204,15 @@ class RegionSet:
         if not kv_caches:
             raise LayoutError("register_kv_caches got no tensors")
         regions = [_region_of(name, t) for name, t in kv_caches.items()]
-        return cls(_merge_aliases(regions))
+        rs = cls(_merge_aliases(regions))
+        # A transport keeps raw addresses: the tensors must outlive the set, or it would write freed memory.
+        rs._tensors = tuple(kv_caches.values())
+        return rs
+
+    def __getstate__(self) -> dict:
+        # Geometry only: pickling the tensors would move their storage into shared memory (torch's
+        # reducers do so in place), leaving registered addresses pointing at memory no longer used.
+        return {**self.__dict__, "_tensors": ()}
 
     def __len__(self) -> int:
         return len(self.regions)

@@ -206,10 +206,15 @@ class _Notice(Struct, **_Tagged):
 
 
 class Claim(_Notice, tag="claim"):
-    """The consumer is about to read these requests' blocks: keep them for at least `need_s` seconds."""
+    """The consumer is about to read these requests' blocks: keep them for at least `need_s` seconds.
+
+    `incarnation` is the producer incarnation the consumer handshook with: a producer that restarted
+    since refuses the whole claim, because the consumer's view of its memory is stale.
+    """
 
     request_ids: _RequestIds
     need_s: Annotated[float, Meta(ge=0.0, le=86400.0)]
+    incarnation: _Incarnation
 
 
 class Done(_Notice, tag="done"):
@@ -262,6 +267,8 @@ class ClaimReply(Struct, tag="claim_reply", **_Tagged):
 
     granted: Annotated[dict[_RequestId, _UnixTime], Meta(max_length=MAX_HEARTBEAT_IDS)]
     refused: Annotated[dict[_RequestId, _Detail], Meta(max_length=MAX_HEARTBEAT_IDS)] = {}
+    # The producer's own incarnation, so a consumer can tell a restart from a refusal.
+    incarnation: _Incarnation
 
 
 class Ack(Struct, tag="ack", **_Tagged):

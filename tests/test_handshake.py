@@ -381,7 +381,7 @@ _VALID_BODIES = [
     msgspec.msgpack.decode(msgspec.msgpack.encode(msg))
     for msg in (
         wire.HandshakeRequest(rank=1),
-        wire.Claim(engine_id="decode-0", rank=0, request_ids=("r1", "r2"), need_s=3.0),
+        wire.Claim(engine_id="decode-0", rank=0, request_ids=("r1", "r2"), need_s=3.0, incarnation="inc-1"),
         wire.Done(engine_id="decode-0", rank=0, request_ids=("r1",)),
         wire.Abort(engine_id="decode-0", rank=0, request_ids=("r1",), reason="x"),
         wire.Heartbeat(engine_id="decode-0", rank=0, request_ids=("r1",)),
@@ -497,19 +497,19 @@ class Recorder:
         self.seen.append(msg)
         if isinstance(msg, wire.Claim):
             return wire.ClaimReply(granted={rid: 1_900_000_000.0 for rid in msg.request_ids[1:]},
-                                   refused={rid: "expired" for rid in msg.request_ids[:1]})
+                                   refused={rid: "expired" for rid in msg.request_ids[:1]}, incarnation="inc-1")
         return wire.Ack(live=msg.request_ids)
 
 
 def _claim(*ids: str) -> wire.Claim:
-    return wire.Claim(engine_id="decode-0", rank=0, request_ids=ids, need_s=5.0)
+    return wire.Claim(engine_id="decode-0", rank=0, request_ids=ids, need_s=5.0, incarnation="inc-1")
 
 
 def test_control_messages_reach_the_handler_and_come_back_answered() -> None:
     handler = Recorder()
     with HandshakeServer(provider, control=handler, secret=SECRET) as srv:
         reply = send_control("127.0.0.1", srv.port, _claim("old", "new"), timeout=5.0, secret=SECRET)
-        assert reply == wire.ClaimReply(granted={"new": 1_900_000_000.0}, refused={"old": "expired"})
+        assert reply == wire.ClaimReply(granted={"new": 1_900_000_000.0}, refused={"old": "expired"}, incarnation="inc-1")
         for note in (
             wire.Done(engine_id="decode-0", rank=0, request_ids=("new",)),
             wire.Abort(engine_id="decode-0", rank=0, request_ids=("new",), reason="gave up"),
@@ -544,7 +544,7 @@ def test_unauthenticated_control_messages_never_reach_the_handler() -> None:
     [
         lambda msg: 1 / 0,
         lambda msg: wire.Ack(),  # an Ack where a ClaimReply belongs
-        lambda msg: wire.ClaimReply(granted={"r": float("nan")}),  # off the schema
+        lambda msg: wire.ClaimReply(granted={"r": float("nan")}, incarnation="inc-1"),  # off the schema
         lambda msg: None,
     ],
     ids=["raises", "wrong_kind", "off_schema", "none"],

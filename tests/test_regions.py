@@ -236,3 +236,15 @@ def test_region_rejects_inconsistent_geometry() -> None:
         Region(("x",), 4096, 4, 64, 32, 0, MemoryKind.DRAM)
     with pytest.raises(LayoutError, match="positive"):
         Region(("x",), 4096, 0, 64, 64, 0, MemoryKind.DRAM)
+
+
+def test_a_region_set_keeps_its_tensors_alive_and_pickles_geometry_only() -> None:
+    import pickle
+
+    rs = RegionSet.from_kv_caches({"l": torch.arange(64, dtype=torch.float32).view(4, 16)})
+    # The tensor above has no other owner: the set must keep it, or a transport would write freed memory.
+    (kept,) = rs._tensors
+    assert kept.data_ptr() == rs[0].base_addr and float(kept[3, 15]) == 63.0
+    clone = pickle.loads(pickle.dumps(rs))
+    assert clone.regions == rs.regions and clone._tensors == ()
+    assert kept.data_ptr() == rs[0].base_addr  # pickling did not move the storage

@@ -138,7 +138,7 @@ def test_handshake_envelopes_round_trip() -> None:
     replies = [
         wire.HandshakeReply(compat=metadata().compat(), payload=wire.encode_metadata(metadata())),
         wire.HandshakeRejection(reason="replay", detail="nonce reused"),
-        wire.ClaimReply(granted={"req-1": 1_900_000_000.0}, refused={"req-2": "lease expired"}),
+        wire.ClaimReply(granted={"req-1": 1_900_000_000.0}, refused={"req-2": "lease expired"}, incarnation="inc-1"),
         wire.Ack(live=("req-1",)),
     ]
     for reply in replies:
@@ -150,7 +150,7 @@ def test_handshake_envelopes_round_trip() -> None:
     "msg",
     [
         wire.HandshakeRequest(rank=1),
-        wire.Claim(engine_id="decode-0", rank=0, request_ids=("req-1", "req-2"), need_s=12.5),
+        wire.Claim(engine_id="decode-0", rank=0, request_ids=("req-1", "req-2"), need_s=12.5, incarnation="inc-1"),
         Done(engine_id="decode-0", rank=0, request_ids=("req-1",)),
         Abort(engine_id="decode-0", rank=0, request_ids=("req-1",)),
         Heartbeat(engine_id="decode-0", rank=0, request_ids=("req-1",)),
@@ -163,7 +163,7 @@ def test_request_bodies_round_trip_as_one_tagged_union(msg: msgspec.Struct) -> N
 
 @pytest.mark.parametrize("need_s", [-1.0, math.nan, math.inf, 1e9])
 def test_claim_refuses_unbounded_or_negative_need(need_s: float) -> None:
-    fields = as_dict(wire.Claim(engine_id="d", rank=0, request_ids=("r",), need_s=1.0))
+    fields = as_dict(wire.Claim(engine_id="d", rank=0, request_ids=("r",), need_s=1.0, incarnation="inc-1"))
     with pytest.raises(WireError, match="need_s"):
         wire.decode_request(msgspec.msgpack.encode({**fields, "need_s": need_s}))
 
@@ -178,7 +178,7 @@ def test_unknown_fields_are_rejected_everywhere() -> None:
         (wire.decode_transfer_params, as_dict(params())),
         (wire.decode_notification, as_dict(Done(engine_id="e", rank=0, request_ids=("r",)))),
         (wire.decode_request, {"kind": "metadata", "rank": 0}),
-        (wire.decode_request, as_dict(wire.Claim(engine_id="e", rank=0, request_ids=("r",), need_s=1.0))),
+        (wire.decode_request, as_dict(wire.Claim(engine_id="e", rank=0, request_ids=("r",), need_s=1.0, incarnation="inc-1"))),
         (wire.decode_reply_body, as_dict(wire.Ack(live=("r",)))),
         (wire.decode_request_envelope, {"protocol_version": 1, "body": b""}),
         (wire.decode_reply_envelope, {"protocol_version": 1, "body": b""}),

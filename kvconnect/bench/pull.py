@@ -1,0 +1,247 @@
+"""A measured P/D pull between two processes: a producer child holds patterned blocks, this process pulls.
+
+Shared by `kvconnect demo` and the transfer benchmark. The producer is a separate process (spawned,
+so nothing is inherited) that talks to the consumer through kvconnect's own side channel; the pipe
+between the two only plays the router's part (it carries transfer params, as an HTTP router would).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+PIPE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """What to pull and how."""
+
+    backend: str = "nixl"
+    preset: str = "llama3-8b"
+    tokens: int = 4096
+    requests: int = 16
+    concurrency: int = 4
+    block_table: str = "random"
+    raw: bool = True
+    seed: int = 0
+
+
+# ---- the byte pattern both sides derive independently ----
+
+def _base_rows(num_regions: int, page_bytes: list[int], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (page_bytes[k],), dtype=torch.uint8, generator=gen) for k in range(num_regions)]
+
+
+def _tags(region: int, request: int, count: int) -> torch.Tensor:
+    # (request, region, position) in the first 8 bytes of a block: a block landing in the wrong place
+    # is caught; the random base row behind it catches any byte moved within or across blocks.
+    pos = torch.arange(count, dtype=torch.int64)
+    return ((request << 40) | (region << 24) | pos).view(torch.uint8).view(count, 8)
+
+
+def fill_blocks(view: torch.Tensor, ids: np.ndarray, base: torch.Tensor, region: int, request: int) -> None:
+    """Write the pattern of `request` into blocks `ids` of one region's `(num_blocks, page)` byte view."""
+    rows = base.expand(ids.size, -1).clone()
+    rows[:, :8] = _tags(region, request, ids.size)
+    view[torch.from_numpy(ids)] = rows
+
+
+def blocks_match(view: torch.Tensor, ids: np.ndarray, base: torch.Tensor, region: int, request: int) -> bool:
+    """Whether blocks `ids` of one region hold exactly the pattern `fill_blocks` wrote for `request`."""
+    got = view[torch.from_numpy(ids)]
+    return bool(torch.equal(got[:, :8], _tags(region, request, ids.size)) and (got[:, 8:] == base[8:]).all())
+
+
+def _byte_views(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).view(t.shape[0], -1) for t in caches.values()]
+
+
+def _pick_blocks(rng: np.random.Generator, num_blocks: int, need: list[int], slots: int, table: str) -> list[list[np.ndarray]]:
+    """`slots` disjoint block tables (one array per group) within `num_blocks`."""
+    out = []
+    for g, n in enumerate(need):
+        ids = rng.permutation(num_blocks)[: n * slots] if table == "random" else np.arange(n * slots)
+        out.append([ids[i * n:(i + 1) * n] for i in range(slots)])
+    return [[out[g][s] for g in range(len(need))] for s in range(slots)]
+
+
+# ---- producer process ----
+
+def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
+    from kvconnect.connector import ConnectorConfig, KVConnector
+    from kvconnect.presets import PRESETS
+
+    preset = PRESETS[spec.preset]
+    caches, groups = preset.allocate(num_blocks)
+    conn_ = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="demo-prefill",
+                                        block_size=preset.block_size, group_regions=groups))
+    try:
+        conn_.register_kv_caches(caches)
+        views = _byte_views(caches)
+        base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
+        rng = np.random.default_rng(spec.seed + 1)
+        raw = None
+        conn.send(("ready", conn_.side_channel))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "hold":
+                tables = _pick_blocks(rng, num_blocks, preset.blocks_for(spec.tokens), len(payload), spec.block_table)
+                params = []
+                for (req, rid), table in zip(payload, tables):
+                    for g, regions in enumerate(groups):
+                        for k in regions:
+                            fill_blocks(views[k], table[g], base[k], k, req)
+                    params.append(conn_.request_finished(rid, table, spec.tokens))
+                conn.send(("params", [_builtins(p) for p in params]))
+            elif cmd == "drain":
+                deadline = time.monotonic() + payload
+                released: list[str] = []
+                while conn_.held_blocks and time.monotonic() < deadline:
+                    released += conn_.get_finished().sending
+                    time.sleep(0.001)
+                released += conn_.get_finished().sending
+                conn.send(("drained", conn_.held_blocks))
+            elif cmd == "raw":
+                from kvconnect.bench.raw import RawSide
+
+                raw = RawSide(spec.backend, payload, fill=True)
+                conn.send(("raw", raw.metadata()))
+            elif cmd == "stop":
+                break
+    finally:
+        if raw is not None:
+            raw.close()
+        conn_.close()
+        conn.send(("stopped", None))
+
+
+def _builtins(params: Any) -> dict:
+    from kvconnect import wire
+
+    return wire.transfer_params_to_builtins(params)
+
+
+def _recv(conn: Any, expect: str, proc: mp.Process) -> Any:
+    if not conn.poll(PIPE_TIMEOUT_S):
+        raise RuntimeError(f"producer process sent nothing for {PIPE_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
+    kind, payload = conn.recv()
+    if kind != expect:
+        raise RuntimeError(f"producer process said {kind!r}, expected {expect!r}")
+    return payload
+
+
+# ---- consumer (this process) ----
+
+def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Pull `spec.requests` requests from a producer process; returns the measured figures."""
+    from kvconnect.connector import ConnectorConfig, KVConnector
+    from kvconnect.presets import PRESETS
+
+    preset = PRESETS[spec.preset]
+    need = preset.blocks_for(spec.tokens)
+    num_blocks = max(need) * spec.concurrency + 8
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_producer_main, args=(child, spec, num_blocks), daemon=True)
+    proc.start()
+    caches, groups = preset.allocate(num_blocks)
+    consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="demo-decode",
+                                           block_size=preset.block_size, group_regions=groups))
+    latencies: list[float] = []
+    failed: dict[str, str] = {}
+    verified = True
+    pull_seconds = 0.0
+    raw_gbps = 0.0
+    held_after = -1
+    try:
+        _recv(parent, "ready", proc)
+        consumer.register_kv_caches(caches)
+        views = _byte_views(caches)
+        base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
+        rng = np.random.default_rng(spec.seed + 2)
+        done = 0
+        if progress:
+            progress(0, spec.requests)
+        for wave_start in range(0, spec.requests, spec.concurrency):
+            wave = [(r, f"req-{r}") for r in range(wave_start, min(spec.requests, wave_start + spec.concurrency))]
+            parent.send(("hold", wave))
+            params = _recv(parent, "params", proc)
+            tables = _pick_blocks(rng, num_blocks, need, len(wave), spec.block_table)
+            started: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for (req, rid), p, table in zip(wave, params, tables):
+                started[rid] = time.perf_counter()
+                consumer.start_load(rid, table, p)
+            pending = set(started)
+            while pending:
+                fin = consumer.get_finished()
+                now = time.perf_counter()
+                for rid in fin.recving:
+                    if rid in pending:
+                        pending.discard(rid)
+                        latencies.append(now - started[rid])
+                        done += 1
+                        if progress:
+                            progress(done, spec.requests)
+                failed.update(fin.failed)
+                if pending:
+                    time.sleep(0.0002)
+            pull_seconds += time.perf_counter() - t0
+            for (req, rid), table in zip(wave, tables):
+                if rid in failed:
+                    continue
+                for g, regions in enumerate(groups):
+                    for k in regions:
+                        verified &= blocks_match(views[k], table[g], base[k], k, req)
+            parent.send(("drain", 30.0))
+            held_after = _recv(parent, "drained", proc)
+        if spec.raw:
+            raw_gbps = _raw_baseline(spec, preset.bytes_per_request(spec.tokens), parent, proc)
+        parent.send(("stop", None))
+        _recv(parent, "stopped", proc)
+    finally:
+        consumer.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    per_request = preset.bytes_per_request(spec.tokens)
+    moved = per_request * (spec.requests - len(failed))
+    lat_ms = np.array(latencies) * 1e3 if latencies else np.array([float("nan")])
+    gbps = moved / pull_seconds / 1e9 if pull_seconds else 0.0
+    regions_per_group = [len(g) for g in groups]
+    return {
+        **asdict(spec),
+        "description": preset.description,
+        "bytes": moved,
+        "bytes_per_request": per_request,
+        "seconds": pull_seconds,
+        "gbps": gbps,
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+        "descriptors_per_request": int(sum(n * k for n, k in zip(need, regions_per_group))),
+        "verified": verified and not failed,
+        "failed": failed,
+        "held_blocks_after": held_after,
+        "raw_backend": spec.backend,
+        "raw_gbps": raw_gbps,
+        "ratio_vs_raw": gbps / raw_gbps if raw_gbps else None,
+    }
+
+
+def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) -> float:
+    from kvconnect.bench.raw import RawSide
+
+    parent.send(("raw", nbytes))
+    remote = _recv(parent, "raw", proc)
+    side = RawSide(spec.backend, nbytes, fill=False)
+    try:
+        return side.read_gbps(remote, repeat=max(3, spec.requests // spec.concurrency))
+    finally:
+        side.close()

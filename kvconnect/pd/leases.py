@@ -1,0 +1,159 @@
+"""Producer-side lease table: which finished prefills still hold their KV blocks, and until when.
+
+Pure bookkeeping, no I/O: the producer feeds it holds, claims, heartbeats, done/abort notices and the
+clock, and drains the releases to report the blocks to the engine as free. Every lease ends exactly
+once, by done, abort or expiry.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+
+_MAX_ENDED = 65536
+
+
+class ReleaseReason(str, enum.Enum):
+    """Why a lease ended."""
+
+    DONE = "done"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Lease:
+    """Blocks one request holds for consumers to read."""
+
+    request_id: str
+    block_ids: tuple[np.ndarray, ...]
+    num_tokens: int
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Release:
+    """A lease that ended, and the blocks it gives back."""
+
+    request_id: str
+    reason: ReleaseReason
+    block_ids: tuple[np.ndarray, ...]
+
+
+class LeaseTable:
+    """Leases by request id; thread-safe, since side-channel threads and the engine loop both touch it."""
+
+    def __init__(self, lease_s: float = 30.0, max_claim_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if lease_s <= 0 or max_claim_s <= 0:
+            raise ValueError("lease_s and max_claim_s must be positive")
+        self.lease_s = lease_s
+        self.max_claim_s = max_claim_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._released: list[Release] = []
+        # Ended ids are remembered for a while so a late claim is refused with the real reason.
+        self._ended: dict[str, tuple[ReleaseReason, float]] = {}
+
+    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]] | Sequence[np.ndarray],
+             num_tokens: int) -> Lease:
+        """Start a lease; a request id already held is an error, never a silent overwrite."""
+        groups = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds blocks")
+            self._ended.pop(request_id, None)
+            lease = Lease(request_id, groups, int(num_tokens), self._clock() + self.lease_s)
+            self._leases[request_id] = lease
+            return lease
+
+    def claim(self, request_ids: Iterable[str], need_s: float) -> tuple[dict[str, float], dict[str, str]]:
+        """Pin live leases for a read lasting up to `need_s`; returns (granted: expiry, refused: reason)."""
+        granted: dict[str, float] = {}
+        refused: dict[str, str] = {}
+        now = self._clock()
+        until = now + min(max(need_s, 0.0), self.max_claim_s)
+        with self._lock:
+            self._expire_locked(now)
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is None:
+                    ended = self._ended.get(rid)
+                    refused[rid] = f"lease {ended[0].value}" if ended else "unknown request"
+                    continue
+                lease.expires_at = max(lease.expires_at, until)
+                granted[rid] = lease.expires_at
+        return granted, refused
+
+    def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
+        """Extend the leases of the named live requests by `lease_s`; returns the ids that are live."""
+        now = self._clock()
+        live = []
+        with self._lock:
+            self._expire_locked(now)
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is not None:
+                    lease.expires_at = max(lease.expires_at, now + self.lease_s)
+                    live.append(rid)
+        return live
+
+    def release(self, request_id: str, reason: ReleaseReason) -> bool:
+        """End a lease (done or abort); False if it had already ended or never existed."""
+        with self._lock:
+            return self._end_locked(request_id, reason, self._clock())
+
+    def expire(self) -> int:
+        """End every lease whose time is up; returns how many ended."""
+        with self._lock:
+            return self._expire_locked(self._clock())
+
+    def drain_released(self) -> list[Release]:
+        """Leases that ended since the last call, each reported once."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            out, self._released = self._released, []
+            return out
+
+    def expiry_of(self, request_id: str) -> float | None:
+        """When a live lease expires (clock units), or None."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return None if lease is None else lease.expires_at
+
+    @property
+    def held_requests(self) -> int:
+        """How many leases are live."""
+        with self._lock:
+            return len(self._leases)
+
+    @property
+    def held_blocks(self) -> int:
+        """How many block ids live leases hold, all groups counted."""
+        with self._lock:
+            return sum(int(g.size) for lease in self._leases.values() for g in lease.block_ids)
+
+    def _end_locked(self, request_id: str, reason: ReleaseReason, now: float) -> bool:
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self._released.append(Release(request_id, reason, lease.block_ids))
+        self._ended[request_id] = (reason, now)
+        return True
+
+    def _expire_locked(self, now: float) -> int:
+        due = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
+        for rid in due:
+            self._end_locked(rid, ReleaseReason.EXPIRED, now)
+        if len(self._ended) > _MAX_ENDED:
+            # Oldest first (dicts keep insertion order): forget the longest-ended ids.
+            for rid in list(self._ended)[: len(self._ended) - _MAX_ENDED]:
+                del self._ended[rid]
+        return len(due)

@@ -1,0 +1,134 @@
+"""The transport interface: how registered KV blocks move between this worker and its peers.
+
+A transport registers one `RegionSet` and hands out metadata bytes; peers are added from their
+metadata plus their `RegionSet` (both arrive through kvconnect's handshake). `post()` pairs
+`local_ids[k]` with `remote_ids[k]` in every selected region (`regions`: region indices, default all;
+regions match by index and need equal block bytes): READ pulls peer blocks into local ones, WRITE
+pushes local blocks to the peer, and `notif` reaches the peer once the bytes have landed. `poll()` the
+handle until DONE or FAILED, then `release()` it. Every id is checked against both sides' regions
+before anything is posted (BlockRangeError); a failure to post is TransferError, a failure afterwards
+a FAILED poll. Small notifications ride the same channel.
+
+    transport.register(regions)
+    transport.add_peer("prefill-0", peer_metadata, peer_regions)
+    handle = transport.post("READ", "prefill-0", local_ids, remote_ids)
+    state = transport.wait(handle, timeout_s=10.0)
+    transport.release(handle)
+    transport.close()
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kvconnect.errors import BlockRangeError, LayoutError, TransferError
+from kvconnect.regions import BlockIds, RegionSet
+
+OPS = ("READ", "WRITE")
+RegionIndices = Sequence[int] | np.ndarray | None
+
+
+class TransferState(enum.Enum):
+    """Where a posted transfer stands."""
+
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+class Transport(abc.ABC):
+    """Moves blocks of registered regions to and from peers; one instance per worker process."""
+
+    name: str = ""  # backend name peers must share, carried in kvconnect's metadata
+
+    @abc.abstractmethod
+    def register(self, regions: RegionSet) -> None:
+        """Register the local regions with the backend; once per transport."""
+
+    @abc.abstractmethod
+    def local_metadata(self) -> bytes:
+        """What a peer passes to `add_peer` to reach this transport (call after `register`)."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
+        """Make a peer addressable by `peer_id`; an existing peer of that id is removed first."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer, releasing its transfers still in flight; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
+             regions: RegionIndices = None, notif: bytes = b"") -> object:
+        """Start moving peer blocks `remote_ids[k]` to/from local `local_ids[k]`; returns a handle."""
+
+    @abc.abstractmethod
+    def poll(self, handle: object) -> TransferState:
+        """The state of a posted transfer; never raises for a backend failure (that is FAILED)."""
+
+    @abc.abstractmethod
+    def release(self, handle: object) -> None:
+        """Free a handle; a transfer still in flight is cancelled where the backend can."""
+
+    @abc.abstractmethod
+    def notify(self, peer_id: str, message: bytes) -> None:
+        """Send a small message to a peer; raises TransferError when it cannot be sent."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Messages received since the last call, as (sender, message); sender is the peer id if known."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release handles, drop peers, deregister memory, then the backend; idempotent."""
+
+    def wait(self, handle: object, timeout_s: float, interval_s: float = 0.0005) -> TransferState:
+        """Poll until DONE or FAILED, or until `timeout_s` passes (then PENDING: the caller decides)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.poll(handle)
+            if state is not TransferState.PENDING or time.monotonic() >= deadline:
+                return state
+            time.sleep(interval_s)
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_post(op: str, local: RegionSet, local_ids: BlockIds, remote: RegionSet, remote_ids: BlockIds,
+               regions: RegionIndices = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Selected region indices and both id arrays (int64), after every check a post needs."""
+    if op not in OPS:
+        raise TransferError(f"unknown transfer op {op!r} (expected READ or WRITE)")
+    lids = local.validate(local_ids, regions)
+    rids = remote.validate(remote_ids, regions)
+    if lids.size != rids.size:
+        raise BlockRangeError(f"{lids.size} local block ids but {rids.size} remote block ids")
+    dst = lids if op == "READ" else rids
+    if dst.size > 1:
+        # Two sources landing in one block would leave it holding whichever finished last.
+        ordered = np.sort(dst)
+        twice = ordered[1:][ordered[1:] == ordered[:-1]]
+        if twice.size:
+            side = "local" if op == "READ" else "remote"
+            raise BlockRangeError(f"{op} names {side} block {int(twice[0])} more than once as a destination")
+    sel = np.arange(len(local)) if regions is None else np.asarray(regions, dtype=np.int64).reshape(-1)
+    return sel, lids, rids
+
+
+def check_peer_regions(local: RegionSet, remote: RegionSet) -> None:
+    """Refuse a peer whose regions cannot pair with ours (matched by index, equal block bytes)."""
+    if len(local) != len(remote):
+        raise LayoutError(f"local has {len(local)} regions, peer has {len(remote)}")
+    for k, (a, b) in enumerate(zip(local.regions, remote.regions)):
+        if a.block_bytes != b.block_bytes:
+            raise LayoutError(f"region {k} ({a.label}): local blocks are {a.block_bytes} bytes, "
+                              f"peer blocks are {b.block_bytes} bytes")
