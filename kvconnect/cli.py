@@ -12,6 +12,7 @@ from typing import Sequence
 BENCHES: dict[str, str] = {
     "descriptors": "kvconnect.bench.descriptors",
     "handshake": "kvconnect.bench.handshake",
+    "offload": "kvconnect.bench.offload",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvconnect.demo",

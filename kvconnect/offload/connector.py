@@ -1,0 +1,221 @@
+"""OffloadConnector: a host-memory KV tier behind `register_kv_caches`, with prefix lookup and async moves.
+
+Policy and mechanism are apart: `OffloadManager` decides what is stored, loaded and evicted (keys,
+slots, pins), `BlockMover` copies bytes, and `JobRunner` runs the copies off the caller's thread.
+
+Typical use by an engine:
+
+    tier = OffloadConnector(cpu_bytes=8 << 30)
+    tier.register_kv_caches(kv_caches)
+    keys = tier.block_keys(prompt_token_ids)
+    hit = tier.lookup(keys)                      # leading blocks in the tier
+    job = tier.load(keys[:hit], block_ids[:hit]) # poll() or wait(job) before using those blocks
+    ...
+    tier.store_request(all_token_ids, block_ids) # when the request finishes; keep its blocks until done
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from kvconnect.errors import BlockRangeError, KVConnectError, TransferError
+from kvconnect.offload.jobs import JobRunner, OffloadJob
+from kvconnect.offload.keys import block_keys, check_keys
+from kvconnect.offload.manager import OffloadManager, OffloadStats
+from kvconnect.offload.mover import BlockMover
+from kvconnect.regions import BlockIds, RegionSet
+
+
+class OffloadConnector:
+    """A CPU tier of `cpu_bytes` holding KV blocks by content key, filled and drained asynchronously."""
+
+    def __init__(self, cpu_bytes: int, *, policy: str = "lru", block_size: int = 16, workers: int = 1,
+                 timeout_s: float = 60.0, salt: bytes = b""):
+        try:
+            size = -1 if isinstance(cpu_bytes, bool) else operator.index(cpu_bytes)  # ints, numpy ints
+        except TypeError:
+            size = -1
+        if size <= 0:
+            raise KVConnectError(f"cpu_bytes must be a positive int, got {cpu_bytes!r}")
+        cpu_bytes = size
+        if block_size <= 0:
+            raise KVConnectError(f"block_size must be positive, got {block_size}")
+        if timeout_s <= 0:
+            raise KVConnectError(f"timeout_s must be positive, got {timeout_s}")
+        if workers <= 0:
+            raise KVConnectError(f"workers must be positive, got {workers}")
+        self.cpu_bytes = cpu_bytes
+        self.policy = policy
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.salt = salt
+        self._workers = workers
+        self._regions: RegionSet | None = None
+        self._manager: OffloadManager | None = None
+        self._mover: BlockMover | None = None
+        self._runner: JobRunner | None = None
+        self._closed = False
+
+    # ---- setup ----
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionSet:
+        """Register the engine's KV tensors and allocate the host pool: as many slots as `cpu_bytes` holds."""
+        if self._regions is not None:
+            raise KVConnectError("register_kv_caches was already called on this connector")
+        regions = RegionSet.from_kv_caches(kv_caches)
+        slot_bytes = sum(r.block_bytes for r in regions)
+        num_slots = self.cpu_bytes // slot_bytes
+        if num_slots == 0:
+            raise KVConnectError(
+                f"cpu_bytes={self.cpu_bytes} cannot hold one block of every layer ({slot_bytes} bytes)"
+            )
+        manager = OffloadManager(num_slots, self.policy, slot_bytes)
+        mover = BlockMover(kv_caches, regions, num_slots)
+        self._runner = JobRunner(self._workers)
+        self._regions, self._manager, self._mover = regions, manager, mover
+        return regions
+
+    def _ready(self) -> tuple[RegionSet, OffloadManager, BlockMover, JobRunner]:
+        if self._closed:
+            raise KVConnectError("the offload connector is closed")
+        if self._regions is None:
+            raise KVConnectError("call register_kv_caches before using the offload tier")
+        return self._regions, self._manager, self._mover, self._runner
+
+    @property
+    def regions(self) -> RegionSet:
+        """The registered regions."""
+        return self._ready()[0]
+
+    @property
+    def num_slots(self) -> int:
+        """Blocks the tier holds at most."""
+        return self._ready()[1].num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        """Host bytes of one block: one page of every registered layer."""
+        return self._ready()[2].slot_bytes
+
+    @property
+    def manager(self) -> OffloadManager:
+        """The scheduler-side state (keys, slots, policy)."""
+        return self._ready()[1]
+
+    # ---- keys and lookup ----
+
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None) -> list[bytes]:
+        """Chained content keys of the full blocks of `token_ids` (see kvconnect.offload.keys)."""
+        return block_keys(token_ids, self.block_size, parent=parent, salt=self.salt)
+
+    def lookup(self, keys: Sequence[Hashable]) -> int:
+        """How many leading blocks of `keys` the tier holds; unknown keys are misses, never errors."""
+        return self._ready()[1].lookup(check_keys(keys))
+
+    # ---- moves ----
+
+    def store(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
+        """Copy block `block_ids[i]` into the tier under `keys[i]`, asynchronously; keep the blocks until done.
+
+        Keys already held are skipped; when the tier is full of blocks in flight, the tail that finds
+        no room is dropped (`stats().dropped`). Stored blocks become visible to `lookup` only when the
+        job succeeded; a failed job publishes none of them.
+        """
+        regions, manager, mover, runner = self._ready()
+        keys = check_keys(keys)
+        ids = regions.validate(block_ids)
+        if ids.size != len(keys):
+            raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
+        after = mover.engine_event()
+        plan = manager.prepare_store(keys)
+        src = ids[plan.positions]
+        job = OffloadJob("store", plan.keys, src, len(plan) * mover.slot_bytes,
+                         lambda: mover.store(src, plan.slots, after, self.timeout_s),
+                         lambda err: manager.complete_store(plan, err is None))
+        return self._submit(runner, job, empty=len(plan) == 0)
+
+    def store_request(self, token_ids: Sequence[int] | np.ndarray, block_ids: BlockIds,
+                      parent: bytes | None = None) -> OffloadJob:
+        """Store the full blocks of a finished request: keys from its tokens, its leading block ids."""
+        keys = self.block_keys(token_ids, parent)
+        ids = self._ready()[0].validate(block_ids)
+        if ids.size < len(keys):
+            raise BlockRangeError(f"{len(keys)} full blocks of tokens but only {ids.size} block ids")
+        return self.store(keys, ids[: len(keys)])
+
+    def load(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
+        """Copy the tier's blocks of `keys` into `block_ids`, asynchronously; every key must be held."""
+        return self._load(keys, block_ids, prefix=False)
+
+    def load_prefix(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
+        """Lookup and load at once: the leading held blocks of `keys` into the leading `block_ids`.
+
+        Safe against concurrent stores evicting between a separate `lookup` and `load`; the job's
+        `num_blocks` is the number of hits (counted in the lookup stats).
+        """
+        return self._load(keys, block_ids, prefix=True)
+
+    def _load(self, keys: Sequence[Hashable], block_ids: BlockIds, prefix: bool) -> OffloadJob:
+        regions, manager, mover, runner = self._ready()
+        keys = check_keys(keys)
+        ids = regions.validate(block_ids)
+        if ids.size != len(keys):
+            raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
+        if np.unique(ids).size != ids.size:
+            values, counts = np.unique(ids, return_counts=True)
+            raise BlockRangeError(f"block id {int(values[np.argmax(counts > 1)])} appears twice in one load")
+        after = mover.engine_event()
+        plan = manager.prepare_load_prefix(keys) if prefix else manager.prepare_load(keys)
+        ids = ids[: len(plan)]
+        job = OffloadJob("load", plan.keys, ids, len(plan) * mover.slot_bytes,
+                         lambda: mover.load(plan.slots, ids, after, self.timeout_s),
+                         lambda err: manager.complete_load(plan, err is None))
+        return self._submit(runner, job, empty=len(plan) == 0)
+
+    def _submit(self, runner: JobRunner, job: OffloadJob, empty: bool) -> OffloadJob:
+        if empty:
+            job._work = None  # nothing to copy: complete now, on the caller's thread
+            return runner.finish_now(job)
+        try:
+            return runner.submit(job)
+        except BaseException:
+            job._cancel("could not be queued")
+            raise
+
+    # ---- completion ----
+
+    def poll(self) -> list[OffloadJob]:
+        """Jobs that ended (successfully or not) since the previous poll."""
+        return self._ready()[3].poll()
+
+    def wait(self, job: OffloadJob, timeout: float | None = None) -> OffloadJob:
+        """Wait for `job` (default timeout `timeout_s`); TransferError if it failed or is still running."""
+        timeout = self.timeout_s if timeout is None else timeout
+        if not job.wait(timeout):
+            raise TransferError(f"{job.kind} job {job.id} did not complete within {timeout} s")
+        if job.error is not None:
+            raise TransferError(f"{job.kind} job {job.id} failed: {job.error}") from job.error
+        return job
+
+    def stats(self) -> OffloadStats:
+        """Hits, misses, stores, loads, evictions and bytes moved so far."""
+        return self._ready()[1].stats()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued jobs and stop the workers (bounded by `timeout`, default `timeout_s`)."""
+        if self._closed:
+            return
+        if self._runner is not None:
+            self._runner.close(self.timeout_s if timeout is None else timeout)
+        self._closed = True
+        self._mover = None  # the host pool goes with it
+
+    def __enter__(self) -> OffloadConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,76 @@
+"""Content keys of KV blocks: a chained hash, so equal token prefixes give equal keys.
+
+The key of block `i` is `blake2b(key of block i-1 || token ids of block i)`, with token ids encoded
+as little-endian int64 and a fixed personalisation string. It depends only on those bytes, never on
+the process, the platform or Python's hash seed, so workers on different hosts agree on keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from kvconnect.errors import KVConnectError
+
+KEY_BYTES = 16
+# Changing either constant changes every key: bump the version when the encoding changes.
+_PERSON = b"kvconnect-blk1"
+_ROOT_TAG = b"kvconnect-root1"
+
+Key = Hashable
+
+
+def root_key(salt: bytes = b"") -> bytes:
+    """The parent of a sequence's first block; `salt` separates caches that must not share blocks (model, LoRA)."""
+    if not isinstance(salt, (bytes, bytearray)):
+        raise KVConnectError(f"salt must be bytes, got {type(salt).__name__}")
+    return hashlib.blake2b(_ROOT_TAG + bytes(salt), digest_size=KEY_BYTES, person=_PERSON).digest()
+
+
+def _token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise KVConnectError(f"token ids must be a flat sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise KVConnectError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise KVConnectError("token ids do not fit in int64")
+    return arr.astype("<i8", copy=False)
+
+
+def block_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: bytes | None = None,
+    salt: bytes = b"",
+) -> list[bytes]:
+    """Chained keys of the full blocks of `token_ids`; a trailing partial block gets no key."""
+    if block_size <= 0:
+        raise KVConnectError(f"block_size must be positive, got {block_size}")
+    tokens = _token_array(token_ids)
+    full = tokens.size // block_size
+    rows = tokens[: full * block_size].reshape(full, block_size)
+    key = root_key(salt) if parent is None else bytes(parent)
+    keys: list[bytes] = []
+    # Inherently sequential (each key needs the previous one); one small hash per block.
+    for row in rows:
+        key = hashlib.blake2b(key + row.tobytes(), digest_size=KEY_BYTES, person=_PERSON).digest()
+        keys.append(key)
+    return keys
+
+
+def check_keys(keys: Sequence[Key]) -> list[Key]:
+    """Keys as a list, refusing anything that cannot be a dictionary key or is None."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise KVConnectError("keys must be a sequence of keys, not a single str or bytes")
+    out = list(keys)
+    for pos, key in enumerate(out):
+        if key is None or not isinstance(key, Hashable):
+            raise KVConnectError(f"key at position {pos} is not a usable key: {key!r}")
+        try:
+            hash(key)
+        except TypeError as exc:
+            raise KVConnectError(f"key at position {pos} is not hashable: {key!r}") from exc
+    return out
