@@ -15,6 +15,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from kvconnect import metrics
 from kvconnect.errors import KVConnectError
 from kvconnect.offload.policy import EvictionPolicy, make_policy
 
@@ -113,6 +114,8 @@ class OffloadManager:
             self._stats.lookups += 1
             self._stats.hits += hits
             self._stats.misses += len(keys) - hits
+            metrics.offload_hits.inc(hits)
+            metrics.offload_misses.inc(len(keys) - hits)
             return hits
 
     def contains(self, key: Key) -> bool:
@@ -163,6 +166,7 @@ class OffloadManager:
                 for victim in victims:
                     heapq.heappush(self._free, self._entries.pop(victim).slot)
                 self._stats.evictions += len(victims)
+                metrics.offload_evictions.inc(len(victims))
                 slot = heapq.heappop(self._free)
                 self._entries[key] = _Entry(slot)
                 new_keys.append(key)

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvconnect import wire
+from kvconnect import metrics, wire
 from kvconnect.errors import BlockRangeError, KVConnectError
 from kvconnect.handshake import PeerDirectory, fetch_metadata, send_control
 from kvconnect.regions import RegionSet
@@ -51,6 +51,7 @@ class _Load:
     remote: tuple[np.ndarray, ...] = ()
     handles: list = field(default_factory=list)
     peer_id: str = ""
+    posted_at: float = 0.0
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Consumer:
         self.regions = regions
         self.expect = expect
         self.group_regions = [list(g) for g in (group_regions or [range(len(regions))])]
+        self._group_bytes = [sum(regions[k].block_bytes for k in g) for g in self.group_regions]
         self.rank = rank
         self.secret = secret
         self.load_timeout_s = load_timeout_s
@@ -175,13 +177,13 @@ class Consumer:
             except Exception:  # the worker must outlive any single bad load
                 log.exception("kvconnect consumer: unexpected error; failing in-flight loads")
                 for rid in list(self._active):
-                    self._fail(rid, "internal error")
+                    self._fail(rid, "internal", "internal error")
 
     def _start(self, loads: list[_Load]) -> None:
         by_peer: dict[PeerAddr, list[_Load]] = {}
         for ld in loads:
             if ld.request_id in self._active:
-                self._report_failed(ld, "duplicate load for this request id")
+                self._report_failed(ld, "post", "duplicate load for this request id")
                 continue
             self._active[ld.request_id] = ld
             p = ld.params
@@ -194,13 +196,13 @@ class Consumer:
             peer = self._peer(addr, loads[0].params.incarnation)
         except KVConnectError as exc:
             for ld in loads:
-                self._fail(ld.request_id, f"handshake: {exc}")
+                self._fail(ld.request_id, "handshake", f"handshake: {exc}")
             return
         ready: list[_Load] = []
         for ld in loads:
             reason = self._plan(ld, peer)
             if reason:
-                self._fail(ld.request_id, reason, notify=True)
+                self._fail(ld.request_id, "post", reason)
             else:
                 ready.append(ld)
         if not ready:
@@ -216,7 +218,7 @@ class Consumer:
                     need_s=need, incarnation=peer.incarnation), timeout=self.handshake_timeout_s, secret=self.secret)
             except KVConnectError as exc:
                 for ld in chunk:
-                    self._fail(ld.request_id, f"claim: {exc}")
+                    self._fail(ld.request_id, "lease", f"claim: {exc}")
                 continue
             if reply.incarnation != peer.incarnation:
                 # The cached agent is gone with the old process: forget it; the next load re-handshakes.
@@ -225,7 +227,7 @@ class Consumer:
                 if ld.request_id in reply.granted:
                     granted.append(ld)
                 else:
-                    self._fail(ld.request_id, f"producer refused: {reply.refused.get(ld.request_id, 'no answer')}",
+                    self._fail(ld.request_id, "lease", f"producer refused: {reply.refused.get(ld.request_id, 'no answer')}",
                                notify=False)
         self._post(peer, granted)
 
@@ -261,12 +263,15 @@ class Consumer:
                 handle = self.transport.post("READ", peer.peer_id, local, remote, regions=regions)
             except KVConnectError as exc:
                 for ld in loads:
-                    self._fail(ld.request_id, f"post: {exc}", notify=True)
+                    self._fail(ld.request_id, "post", f"post: {exc}")
                 return
+            metrics.transfer_descriptors.labels(self.transport.name).observe(local.size * len(regions))
             shared = _Batch(handle, len(loads))
             for ld in loads:
                 ld.handles.append(shared)
+        now = time.perf_counter()
         for ld in loads:
+            ld.posted_at = now
             if not ld.handles:  # nothing to pull: the consumer already held every block
                 self._finish(ld.request_id)
 
@@ -275,11 +280,11 @@ class Consumer:
         for rid, ld in list(self._active.items()):
             states = [batch.state(self.transport) for batch in ld.handles]
             if any(s is TransferState.FAILED for s in states):
-                self._fail(rid, "transfer failed", notify=True)
+                self._fail(rid, "transfer", "transfer failed")
             elif states and all(s is TransferState.DONE for s in states):
                 self._finish(rid)
             elif now >= ld.deadline:
-                self._fail(rid, "deadline exceeded", notify=True)
+                self._fail(rid, "transfer", "load deadline exceeded")
 
     def _heartbeats(self) -> None:
         now = self._clock()
@@ -300,8 +305,10 @@ class Consumer:
         peer = self._peers.get(addr)
         if peer is not None and peer.incarnation == incarnation and self._directory.get(addr[0], self.rank):
             return peer
+        t0 = time.perf_counter()
         meta = fetch_metadata(addr[1], addr[2], rank=self.rank, timeout=self.handshake_timeout_s,
                               secret=self.secret, expect=self.expect)
+        metrics.handshake_seconds.observe(time.perf_counter() - t0)
         if meta.engine_id != addr[0]:
             raise KVConnectError(f"peer at {addr[1]}:{addr[2]} is engine {meta.engine_id!r}, expected {addr[0]!r}")
         self._directory.put(meta)
@@ -322,7 +329,7 @@ class Consumer:
         self._directory.remove(addr[0], self.rank)
         for rid, ld in list(self._active.items()):
             if ld.peer_id == peer.peer_id:
-                self._fail(rid, "producer restarted", notify=False)
+                self._fail(rid, "lease", "producer restarted", notify=False)
         try:
             self.transport.remove_peer(peer.peer_id)
         except KVConnectError as exc:
@@ -330,18 +337,22 @@ class Consumer:
 
     def _abort_one(self, request_id: str) -> None:
         if request_id in self._active:
-            self._fail(request_id, "aborted by the engine", notify=True)
+            self._fail(request_id, "abort", "aborted by the engine")
 
     def _finish(self, request_id: str) -> None:
         ld = self._active.pop(request_id)
         self._release(ld)
+        backend = self.transport.name
+        metrics.transfer_bytes.labels(backend).inc(
+            sum(ids.size * self._group_bytes[g] for g, ids in enumerate(ld.local)))
+        metrics.transfer_seconds.labels(backend).observe(time.perf_counter() - ld.posted_at)
         p = ld.params
         self._notify((p.engine_id, p.host, p.port), wire.Done(engine_id=self.engine_id, rank=self.rank,
                                                               request_ids=(request_id,)))
         with self._lock:
             self._results.finished.append(request_id)
 
-    def _fail(self, request_id: str, reason: str, notify: bool = True) -> None:
+    def _fail(self, request_id: str, stage: str, reason: str, notify: bool = True) -> None:
         ld = self._active.pop(request_id, None)
         if ld is None:
             return
@@ -350,11 +361,13 @@ class Consumer:
             p = ld.params
             self._notify((p.engine_id, p.host, p.port), wire.Abort(engine_id=self.engine_id, rank=self.rank,
                                                                    request_ids=(request_id,), reason=reason[:1000]))
-        self._report_failed(ld, reason)
+        self._report_failed(ld, stage, reason)
 
-    def _report_failed(self, ld: _Load, reason: str) -> None:
-        log.warning("kvconnect load failed: request=%s peer=%s:%s reason=%s",
-                    ld.request_id, ld.params.host, ld.params.port, reason)
+    def _report_failed(self, ld: _Load, stage: str, reason: str) -> None:
+        # One line per failed request, with everything an operator greps for.
+        log.warning("kvconnect load failed: request=%s peer=%s@%s:%s stage=%s reason=%s",
+                    ld.request_id, ld.params.engine_id, ld.params.host, ld.params.port, stage, reason)
+        metrics.failures.labels(stage).inc()
         with self._lock:
             self._results.failed[ld.request_id] = reason
             self._results.invalid_block_ids.extend(ld.local)
@@ -369,9 +382,9 @@ class Consumer:
 
     def _shutdown(self, new: list[_Load]) -> None:
         for ld in new:
-            self._report_failed(ld, "consumer closed")
+            self._report_failed(ld, "shutdown", "consumer closed")
         for rid in list(self._active):
-            self._fail(rid, "consumer closed", notify=True)
+            self._fail(rid, "shutdown", "consumer closed")
         for addr in list(self._peers):
             self._drop_peer(addr)
 
@@ -441,7 +454,9 @@ class Notifier:
             except KVConnectError as exc:
                 self.dropped += 1
                 self._down_until[addr] = time.monotonic() + self.backoff_s
-                log.info("kvconnect: %s to %s:%s not delivered: %s", type(note).__name__, addr[1], addr[2], exc)
+                metrics.failures.labels("notify").inc()
+                log.warning("kvconnect notice not delivered: request=%s peer=%s@%s:%s stage=notify reason=%s",
+                            ",".join(getattr(note, "request_ids", ())), addr[0], addr[1], addr[2], exc)
             except Exception:  # a notice must never kill the thread that carries all the others
                 self.dropped += 1
                 log.exception("kvconnect: notice to %s:%s failed", addr[1], addr[2])

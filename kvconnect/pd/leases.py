@@ -50,12 +50,15 @@ class LeaseTable:
     """Leases by request id; thread-safe, since side-channel threads and the engine loop both touch it."""
 
     def __init__(self, lease_s: float = 30.0, max_claim_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[int, Release | None], None] | None = None):
+        """`on_change(delta, release)` hears of every lease started (+1, None) and ended (-1, release)."""
         if lease_s <= 0 or max_claim_s <= 0:
             raise ValueError("lease_s and max_claim_s must be positive")
         self.lease_s = lease_s
         self.max_claim_s = max_claim_s
         self._clock = clock
+        self._on_change = on_change
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._released: list[Release] = []
@@ -72,7 +75,9 @@ class LeaseTable:
             self._ended.pop(request_id, None)
             lease = Lease(request_id, groups, int(num_tokens), self._clock() + self.lease_s)
             self._leases[request_id] = lease
-            return lease
+        if self._on_change:
+            self._on_change(1, None)
+        return lease
 
     def claim(self, request_ids: Iterable[str], need_s: float) -> tuple[dict[str, float], dict[str, str]]:
         """Pin live leases for a read lasting up to `need_s`; returns (granted: expiry, refused: reason)."""
@@ -144,8 +149,11 @@ class LeaseTable:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
-        self._released.append(Release(request_id, reason, lease.block_ids))
+        release = Release(request_id, reason, lease.block_ids)
+        self._released.append(release)
         self._ended[request_id] = (reason, now)
+        if self._on_change:
+            self._on_change(-1, release)
         return True
 
     def _expire_locked(self, now: float) -> int:

@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from kvconnect import wire
+from kvconnect import metrics, wire
 from kvconnect.handshake import HandshakeServer
 from kvconnect.pd.leases import LeaseTable, Release, ReleaseReason
 from kvconnect.regions import RegionSet
@@ -40,7 +40,7 @@ class Producer:
         self.metadata = metadata
         self.regions = regions
         self.group_regions = [list(g) for g in (group_regions or [range(len(regions))])]
-        self.leases = LeaseTable(lease_s=lease_s, clock=clock)
+        self.leases = LeaseTable(lease_s=lease_s, clock=clock, on_change=self._lease_changed)
         self._clock = clock
         self.server = HandshakeServer(self._provide, host=host, port=port, secret=secret,
                                       allow_wildcard=allow_wildcard, control=self._on_control)
@@ -71,6 +71,15 @@ class Producer:
     def close(self) -> None:
         """Stop answering consumers. Held leases stay in the table for the engine to drain."""
         self.server.close()
+
+    def _lease_changed(self, delta: int, release: Release | None) -> None:
+        metrics.leases_held.inc(delta)
+        if release is None:
+            return
+        metrics.leases_released.labels(release.reason.value).inc()
+        if release.reason is ReleaseReason.EXPIRED:
+            log.warning("kvconnect lease expired: request=%s peer=- stage=lease reason=no done, abort or "
+                        "heartbeat within %g s", release.request_id, self.leases.lease_s)
 
     def _provide(self, rank: int) -> wire.EngineMetadata | None:
         return self.metadata if rank == self.metadata.rank else None

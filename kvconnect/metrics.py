@@ -1,0 +1,55 @@
+"""Prometheus metrics of every kvconnect process, all named `kvconnect_*`.
+
+They live in prometheus_client's default registry, so an engine that already serves /metrics (vLLM
+does) shows them beside its own; a standalone worker can serve them with `serve(port)`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+# Failure stages: where in a request's life it failed (the reason itself goes to the log line).
+STAGES = ("handshake", "lease", "post", "transfer", "notify", "abort", "shutdown", "internal")
+
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+transfer_bytes = Counter("kvconnect_transfer_bytes", "Bytes pulled into this worker by completed loads",
+                         ["backend"])
+transfer_seconds = Histogram("kvconnect_transfer_seconds", "Seconds from posting a load to its completion",
+                             ["backend"], buckets=_SECONDS)
+transfer_descriptors = Histogram(
+    "kvconnect_transfer_descriptors", "Block-region pairs per posted transfer (before backend coalescing)",
+    ["backend"], buckets=(1, 8, 64, 512, 4096, 16384, 65536, 262144, 1048576))
+handshake_seconds = Histogram("kvconnect_handshake_seconds", "Seconds to fetch and check a peer's metadata",
+                              buckets=_SECONDS)
+failures = Counter("kvconnect_failures", "Failed loads by stage", ["stage"])
+leases_held = Gauge("kvconnect_leases_held", "Requests whose blocks a producer holds for consumers")
+leases_released = Counter("kvconnect_leases_released", "Producer leases ended, by how they ended", ["reason"])
+offload_hits = Counter("kvconnect_offload_hits", "Blocks found in the CPU tier by lookups")
+offload_misses = Counter("kvconnect_offload_misses", "Blocks not found in the CPU tier by lookups")
+offload_evictions = Counter("kvconnect_offload_evictions", "Blocks evicted from the CPU tier")
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve every metric over HTTP for a worker that has no /metrics of its own (loopback by default)."""
+    start_http_server(port, addr=addr)
+
+
+def value(name: str, labels: dict[str, str] | None = None) -> float:
+    """The current value of one sample (`name` as exposed, e.g. `kvconnect_transfer_bytes_total`), or 0."""
+    got = REGISTRY.get_sample_value(name, labels or {})
+    return 0.0 if got is None else float(got)
+
+
+def snapshot() -> dict[str, float]:
+    """Every kvconnect sample as {name{labels}: value}, for engines that report stats their own way."""
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("kvconnect_"):
+            continue
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = float(s.value)
+    return out
