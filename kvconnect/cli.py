@@ -13,9 +13,11 @@ BENCHES: dict[str, str] = {
     "descriptors": "kvconnect.bench.descriptors",
     "handshake": "kvconnect.bench.handshake",
     "offload": "kvconnect.bench.offload",
+    "transfer": "kvconnect.bench.transfer",
 }
 COMMANDS: dict[str, str] = {
     "demo": "kvconnect.demo",
+    "doctor": "kvconnect.doctor",
 }
 
 

@@ -107,7 +107,11 @@ class KVConnector:
             raise KVConnectError("register_kv_caches was already called on this connector")
         cfg = self.config
         regions = RegionSet.from_kv_caches(kv_caches)
-        transport = self._transport or make_transport(cfg.backend, cfg.transport_options)
+        options = dict(cfg.transport_options)
+        if cfg.backend == "nixl" and cfg.role == "consumer":
+            # A consumer only initiates and its worker polls: NIXL's progress thread would only burn a core.
+            options.setdefault("progress_thread", False)
+        transport = self._transport or make_transport(cfg.backend, options)
         transport.register(regions)
         self._transport, self.regions = transport, regions
         dtype = _dtype_name(kv_caches)
@@ -214,3 +218,9 @@ class NixlConnector(KVConnector):
     """KVConnector moving blocks with NIXL (UCX by default)."""
 
     backend = "nixl"
+
+
+class MooncakeConnector(KVConnector):
+    """KVConnector moving blocks with the Mooncake Transfer Engine (tcp here, rdma on RDMA hosts)."""
+
+    backend = "mooncake"

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo and print its summary; exit status 1 if any byte differed or any request failed."""
     # NIXL logs every agent it creates at INFO; the demo's own summary says what matters.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvconnect.bench.pull import PullSpec, run_pull
+    from kvconnect.bench.pull import PullSpec, progress_bar, run_pull
     from kvconnect.presets import PRESETS
 
     if args.preset not in PRESETS:
@@ -37,20 +37,12 @@ def run(args: argparse.Namespace) -> int:
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=not args.no_raw,
                     seed=args.seed)
-    result = run_pull(spec, progress=None if args.json else _progress)
+    result = run_pull(spec, progress=None if args.json else progress_bar)
     if args.json:
         print(json.dumps(result))
     else:
         _summary(result)
     return 0 if result["verified"] and not result["failed"] else 1
-
-
-def _progress(done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    end = "\n" if done >= total else ""
-    print(f"\r  pulling [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
-          flush=True)
 
 
 def _summary(r: dict[str, Any]) -> None:

@@ -52,7 +52,7 @@ class ProducerProcess:
     """A producer worker in a spawned process (see tests/pd_peer.py), commanded over a Pipe."""
 
     def __init__(self, kind: str, num_blocks: int, seed: int, *, engine_id: str = "prefill-0", port: int = 0,
-                 lease_s: float = 30.0, secret: str | None = None):
+                 lease_s: float = 30.0, secret: str | None = None, backend: str = "nixl"):
         import multiprocessing as mp
 
         import pd_peer
@@ -60,7 +60,7 @@ class ProducerProcess:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=pd_peer.producer_main, daemon=True,
-                                args=(child, kind, num_blocks, seed, engine_id, port, lease_s, secret))
+                                args=(child, kind, num_blocks, seed, engine_id, port, lease_s, secret, backend))
         self.proc.start()
         _, (self.host, self.port), self.incarnation = self._recv(60.0)
         self.kind, self.num_blocks, self.seed = kind, num_blocks, seed

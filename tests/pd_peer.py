@@ -44,11 +44,11 @@ def make_caches(kind: str, num_blocks: int, seed: int) -> tuple[dict[str, torch.
 
 
 def producer_main(conn, kind: str, num_blocks: int, seed: int, engine_id: str, port: int, lease_s: float,
-                  secret: str | None) -> None:
+                  secret: str | None, backend: str) -> None:
     """Register a cache and serve: hold/abort/held/releases/stop."""
     caches, groups = make_caches(kind, num_blocks, seed)
     connector = KVConnector(ConnectorConfig(role="producer", engine_id=engine_id, port=port, lease_s=lease_s,
-                                            secret=secret, group_regions=groups))
+                                            secret=secret, group_regions=groups, backend=backend))
     connector.register_kv_caches(caches)
     conn.send(("ready", connector.side_channel, connector.metadata.incarnation))
     releases: list[tuple[str, str]] = []

@@ -1,8 +1,9 @@
-"""P/D pull over real NIXL between real processes: every byte checked, every fault reported, nothing held.
+"""The P/D conformance suite: every transport must pass it, over its real library, between real processes.
 
-The producer is a spawned process (tests/pd_peer.py) with its own NIXL agent and side channel; this
-process is the consumer. Where a fault cannot be provoked for real, the test says it uses
-FaultyTransport, a wrapper around the real NIXL transport.
+Every byte checked, every fault reported within its deadline, nothing left held. The producer is a
+spawned process (tests/pd_peer.py) with its own transport and side channel; this process is the
+consumer. Where a fault cannot be provoked for real, the test says it uses FaultyTransport, a wrapper
+around the real transport under test.
 """
 
 from __future__ import annotations
@@ -14,21 +15,40 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.connector import ConnectorConfig, Finished, KVConnector
+from kvconnect.connector import ConnectorConfig, Finished, KVConnector, make_transport
 from kvconnect.transport.faulty import FaultyTransport
-from kvconnect.transport.nixl import NixlTransport
 from pd_peer import make_caches
+
+BACKENDS = ["nixl", "mooncake"]
 
 PRODUCER_SEED, CONSUMER_SEED = 101, 202
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """The transport under test."""
+    return request.param
+
+
 @pytest.fixture
-def consumers():
+def producers(producers, backend):
+    """Producer processes on the backend under test."""
+    return lambda *args, **kw: producers(*args, backend=backend, **kw)
+
+
+def real_transport(backend: str):
+    """A fresh transport of the backend under test, for wrapping."""
+    return make_transport(backend, {})
+
+
+@pytest.fixture
+def consumers(backend):
     """Make registered consumer connectors with `consumers(kind, num_blocks, **config)`; closed at teardown."""
     made: list[KVConnector] = []
 
     def make(kind: str, num_blocks: int, *, transport=None, **cfg) -> tuple[KVConnector, dict[str, torch.Tensor]]:
         caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED)
+        cfg.setdefault("backend", backend)
         c = KVConnector(ConnectorConfig(role="consumer", engine_id="decode-0", group_regions=groups, **cfg),
                         transport=transport)
         c.register_kv_caches(caches)
@@ -153,12 +173,13 @@ class _PostSignal(FaultyTransport):
         return handle
 
 
-def test_producer_killed_mid_transfer_fails_the_load_within_its_deadline(producers, consumers, monkeypatch) -> None:
-    # UCX over TCP (both processes) moves about 0.3 GB/s here, so 384 MiB is still in flight when the
-    # SIGKILL lands; over cross-memory attach the whole pull could finish before the kill takes effect.
-    monkeypatch.setenv("UCX_TLS", "tcp")
+def test_producer_killed_mid_transfer_fails_the_load_within_its_deadline(producers, consumers, monkeypatch, backend) -> None:
+    if backend == "nixl":
+        # UCX over TCP (both processes) moves about 0.3 GB/s here, so 384 MiB is still in flight when
+        # the SIGKILL lands; over cross-memory attach the pull could finish before the kill took effect.
+        monkeypatch.setenv("UCX_TLS", "tcp")
     producer = producers("big", 6144, PRODUCER_SEED)
-    transport = _PostSignal(NixlTransport())
+    transport = _PostSignal(real_transport(backend))
     conn, _ = consumers("big", 6144, transport=transport, load_timeout_s=8.0)
     params = producer.hold("doomed", [np.arange(6144)], tokens=6144 * 16)
     conn.start_load("doomed", [np.arange(6144)], params)
@@ -189,10 +210,10 @@ def test_lease_expires_without_heartbeats_and_a_late_read_is_refused(producers, 
     assert all(torch.equal(a, b) for a, b in zip(byte_rows(caches, conn), before)), "a refused read moved bytes"
 
 
-def test_heartbeats_keep_a_slow_pull_alive_past_the_lease(producers, consumers) -> None:
+def test_heartbeats_keep_a_slow_pull_alive_past_the_lease(producers, consumers, backend) -> None:
     # FaultyTransport (fault injection) holds the real transfer PENDING for 2 s, four leases long.
     producer = producers("dense", 32, PRODUCER_SEED, lease_s=0.5)
-    transport = FaultyTransport(NixlTransport(), delay_s=2.0)
+    transport = FaultyTransport(real_transport(backend), delay_s=2.0)
     conn, caches = consumers("dense", 32, transport=transport, heartbeat_s=0.1)
     before = snapshot(caches, conn)
     params = producer.hold("slow", [np.array([7, 8])], tokens=32)
@@ -214,10 +235,10 @@ def test_abort_on_the_producer_releases_blocks_and_refuses_the_read(producers, c
     assert producer.held_blocks() == 0
 
 
-def test_abort_on_the_consumer_reports_failure_and_frees_the_producer(producers, consumers) -> None:
+def test_abort_on_the_consumer_reports_failure_and_frees_the_producer(producers, consumers, backend) -> None:
     # FaultyTransport (fault injection) keeps the transfer PENDING so the abort lands mid-pull.
     producer = producers("dense", 32, PRODUCER_SEED)
-    conn, _ = consumers("dense", 32, transport=FaultyTransport(NixlTransport(), delay_s=30.0))
+    conn, _ = consumers("dense", 32, transport=FaultyTransport(real_transport(backend), delay_s=30.0))
     params = producer.hold("cancel", [np.array([3, 4])], tokens=32)
     conn.start_load("cancel", [np.array([0, 1])], params)
     time.sleep(0.5)
@@ -228,9 +249,9 @@ def test_abort_on_the_consumer_reports_failure_and_frees_the_producer(producers,
     assert ("cancel", "aborted") in producer.call("releases")
 
 
-def test_remote_block_ids_out_of_range_are_rejected_before_posting(producers, consumers) -> None:
+def test_remote_block_ids_out_of_range_are_rejected_before_posting(producers, consumers, backend) -> None:
     producer = producers("dense", 32, PRODUCER_SEED)
-    transport = _PostSignal(NixlTransport())
+    transport = _PostSignal(real_transport(backend))
     conn, _ = consumers("dense", 64, transport=transport)
     params = producer.hold("bad", [np.array([1, 2])], tokens=32)
     params["block_ids"] = [[1, 40]]  # past the producer's 32 blocks, as a garbled router might send
@@ -274,3 +295,14 @@ def test_a_restarted_producer_is_re_handshaken_and_old_params_fail(producers, co
     assert not wait_for(conn, ["b"]).failed
     assert_pulled(conn, caches, before, second, [([[8, 9]], [[5, 6]])])
     assert second.held_blocks() == 0
+
+
+def test_a_consumer_on_another_backend_fails_at_handshake_naming_the_transport(producers, consumers, backend) -> None:
+    other = "mooncake" if backend == "nixl" else "nixl"
+    producer = producers("dense", 16, PRODUCER_SEED)
+    conn, _ = consumers("dense", 16, backend=other)
+    params = producer.hold("mixed", [np.array([1])], tokens=16)
+    conn.start_load("mixed", [[0]], params)
+    reason = wait_for(conn, ["mixed"]).failed["mixed"]
+    assert "handshake" in reason and "transport" in reason and backend in reason and other in reason
+    assert producer.held_blocks() == 0

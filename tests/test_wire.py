@@ -405,7 +405,8 @@ def test_process_incarnation_is_stable_and_fresh_after_fork() -> None:
 
 
 def test_regions_round_trip_through_the_wire() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     from kvconnect.regions import RegionSet
 
     caches = {f"model.layers.{i}.attn": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16) for i in range(3)}
@@ -417,7 +418,6 @@ def test_regions_round_trip_through_the_wire() -> None:
 
 
 def test_regions_from_wire_refuses_overlapping_regions() -> None:
-    pytest.importorskip("kvconnect.regions")
     with pytest.raises(WireError, match="regions"):
         wire.regions_from_wire([region(), region(names=("other",))])
 

@@ -8,8 +8,9 @@ between the two only plays the router's part (it carries transfer params, as an 
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +31,14 @@ class PullSpec:
     block_table: str = "random"
     raw: bool = True
     seed: int = 0
+    block_size: int | None = None  # tokens per block; None keeps the preset's
+
+    def model(self) -> Any:
+        """The preset, with the block size overridden when asked."""
+        from kvconnect.presets import PRESETS
+
+        base = PRESETS[self.preset]
+        return base if self.block_size is None else replace(base, block_size=self.block_size)
 
 
 # ---- the byte pattern both sides derive independently ----
@@ -76,18 +85,28 @@ def _pick_blocks(rng: np.random.Generator, num_blocks: int, need: list[int], slo
 
 def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
     from kvconnect.connector import ConnectorConfig, KVConnector
-    from kvconnect.presets import PRESETS
 
-    preset = PRESETS[spec.preset]
+    # The raw baseline runs first and alone: an idle transport's progress thread would take a core
+    # from it on a small host.
+    cmd, payload = conn.recv()
+    if cmd == "raw":
+        from kvconnect.bench.raw import RawSide
+
+        raw = RawSide(spec.backend, payload, fill=True)
+        try:
+            conn.send(("raw", raw.metadata()))
+            conn.recv()  # the reader is done
+        finally:
+            raw.close()
+    preset = spec.model()
     caches, groups = preset.allocate(num_blocks)
-    conn_ = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="demo-prefill",
+    conn_ = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="bench-prefill",
                                         block_size=preset.block_size, group_regions=groups))
     try:
         conn_.register_kv_caches(caches)
         views = _byte_views(caches)
         base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
         rng = np.random.default_rng(spec.seed + 1)
-        raw = None
         conn.send(("ready", conn_.side_channel))
         while True:
             cmd, payload = conn.recv()
@@ -108,16 +127,9 @@ def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
                     time.sleep(0.001)
                 released += conn_.get_finished().sending
                 conn.send(("drained", conn_.held_blocks))
-            elif cmd == "raw":
-                from kvconnect.bench.raw import RawSide
-
-                raw = RawSide(spec.backend, payload, fill=True)
-                conn.send(("raw", raw.metadata()))
             elif cmd == "stop":
                 break
     finally:
-        if raw is not None:
-            raw.close()
         conn_.close()
         conn.send(("stopped", None))
 
@@ -142,9 +154,7 @@ def _recv(conn: Any, expect: str, proc: mp.Process) -> Any:
 def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Pull `spec.requests` requests from a producer process; returns the measured figures."""
     from kvconnect.connector import ConnectorConfig, KVConnector
-    from kvconnect.presets import PRESETS
-
-    preset = PRESETS[spec.preset]
+    preset = spec.model()
     need = preset.blocks_for(spec.tokens)
     num_blocks = max(need) * spec.concurrency + 8
     ctx = mp.get_context("spawn")
@@ -152,7 +162,7 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
     proc = ctx.Process(target=_producer_main, args=(child, spec, num_blocks), daemon=True)
     proc.start()
     caches, groups = preset.allocate(num_blocks)
-    consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="demo-decode",
+    consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode",
                                            block_size=preset.block_size, group_regions=groups))
     latencies: list[float] = []
     failed: dict[str, str] = {}
@@ -161,22 +171,25 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
     raw_gbps = 0.0
     held_after = -1
     try:
+        if spec.raw:
+            raw_gbps = _raw_baseline(spec, preset.bytes_per_request(spec.tokens), parent, proc)
+        else:
+            parent.send(("no-raw", None))
         _recv(parent, "ready", proc)
         consumer.register_kv_caches(caches)
         views = _byte_views(caches)
         base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
         rng = np.random.default_rng(spec.seed + 2)
-        done = 0
-        if progress:
-            progress(0, spec.requests)
-        for wave_start in range(0, spec.requests, spec.concurrency):
-            wave = [(r, f"req-{r}") for r in range(wave_start, min(spec.requests, wave_start + spec.concurrency))]
-            parent.send(("hold", wave))
+
+        def wave(members: list[tuple[int, str]], on_done: Callable[[str, float], None]) -> float:
+            """Hold, pull and check one wave; returns its pull seconds."""
+            nonlocal verified, held_after
+            parent.send(("hold", members))
             params = _recv(parent, "params", proc)
-            tables = _pick_blocks(rng, num_blocks, need, len(wave), spec.block_table)
+            tables = _pick_blocks(rng, num_blocks, need, len(members), spec.block_table)
             started: dict[str, float] = {}
             t0 = time.perf_counter()
-            for (req, rid), p, table in zip(wave, params, tables):
+            for (_, rid), p, table in zip(members, params, tables):
                 started[rid] = time.perf_counter()
                 consumer.start_load(rid, table, p)
             pending = set(started)
@@ -186,15 +199,12 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
                 for rid in fin.recving:
                     if rid in pending:
                         pending.discard(rid)
-                        latencies.append(now - started[rid])
-                        done += 1
-                        if progress:
-                            progress(done, spec.requests)
+                        on_done(rid, now - started[rid])
                 failed.update(fin.failed)
                 if pending:
                     time.sleep(0.0002)
-            pull_seconds += time.perf_counter() - t0
-            for (req, rid), table in zip(wave, tables):
+            seconds = time.perf_counter() - t0
+            for (req, rid), table in zip(members, tables):
                 if rid in failed:
                     continue
                 for g, regions in enumerate(groups):
@@ -202,8 +212,25 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
                         verified &= blocks_match(views[k], table[g], base[k], k, req)
             parent.send(("drain", 30.0))
             held_after = _recv(parent, "drained", proc)
-        if spec.raw:
-            raw_gbps = _raw_baseline(spec, preset.bytes_per_request(spec.tokens), parent, proc)
+            return seconds
+
+        # One untimed request first: the handshake and the peer's prepared lists are a once-per-peer
+        # cost, reported by `kvconnect bench handshake`, not part of a request's pull.
+        wave([(spec.requests, "warm-up")], lambda rid, s: None)
+        done = 0
+        if progress:
+            progress(0, spec.requests)
+
+        def finished(rid: str, seconds: float) -> None:
+            nonlocal done
+            latencies.append(seconds)
+            done += 1
+            if progress:
+                progress(done, spec.requests)
+
+        for start in range(0, spec.requests, spec.concurrency):
+            members = [(r, f"req-{r}") for r in range(start, min(spec.requests, start + spec.concurrency))]
+            pull_seconds += wave(members, finished)
         parent.send(("stop", None))
         _recv(parent, "stopped", proc)
     finally:
@@ -245,3 +272,25 @@ def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) ->
         return side.read_gbps(remote, repeat=max(3, spec.requests // spec.concurrency))
     finally:
         side.close()
+        parent.send(("raw-done", None))
+
+
+def progress_bar(done: int, total: int) -> None:
+    """A one-line progress bar on stderr."""
+    width = 30
+    filled = width * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    print(f"\r  pulling [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
+          flush=True)
+
+
+def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
+    """Best-of GB/s of one contiguous host copy of `nbytes`: this machine's ceiling for moving bytes."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9

@@ -38,7 +38,9 @@ class RawSide:
         self.nbytes = nbytes
         self.buf = _pattern(nbytes) if fill else torch.zeros(nbytes, dtype=torch.uint8)
         self.name = f"kvconnect-raw-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_api.nixl_agent(self.name, nixl_api.nixl_agent_config(backends=["UCX"]))
+        # The reading side polls for itself; only the side being read needs NIXL's progress thread,
+        # which otherwise keeps a core busy.
+        self.agent = nixl_api.nixl_agent(self.name, nixl_api.nixl_agent_config(enable_prog_thread=fill, backends=["UCX"]))
         self._row = np.array([[self.buf.data_ptr(), nbytes, 0]], dtype=np.uint64)
         self.reg = self.agent.register_memory(self._row, "DRAM")
         self._remote: str | None = None

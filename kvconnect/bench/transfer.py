@@ -1,0 +1,102 @@
+"""P/D pull between two processes beside the raw backend and a memcpy of the same bytes, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `kvconnect bench transfer`."""
+    parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
+    parser.add_argument("--preset", default="llama3-8b", help="llama3-8b, llama3-70b-tp8, mla or hybrid")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the preset's)")
+    parser.add_argument("--block-table", default="random", choices=["random", "contiguous"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --plot)")
+    parser.add_argument("--plot", metavar="FILE.png", help="sweep request sizes and draw GB/s for the three "
+                        "(needs the `plot` extra: matplotlib)")
+    parser.add_argument("--sweep", default="256,1024,4096", help="token counts for --plot, comma-separated")
+
+
+def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[str, Any]:
+    """One run at `tokens` tokens per request: kvconnect, raw backend and memcpy figures."""
+    from kvconnect.bench.pull import PullSpec, memcpy_gbps, progress_bar, run_pull
+
+    spec = PullSpec(backend=args.backend, preset=args.preset, tokens=tokens, requests=args.requests,
+                    concurrency=args.concurrency, block_table=args.block_table, raw=True, seed=args.seed,
+                    block_size=args.block_size)
+    r = run_pull(spec, progress=progress_bar if show_progress else None)
+    mem = memcpy_gbps(r["bytes_per_request"])
+    return {
+        **r,
+        "kvconnect_gbps": r["gbps"],
+        "memcpy_gbps": mem,
+        "ratio_vs_memcpy": r["gbps"] / mem if mem else None,
+    }
+
+
+def _table(r: dict[str, Any]) -> None:
+    print(f"kvconnect bench transfer: {r['backend']}, {r['preset']} ({r['description']})")
+    print(f"  {r['requests']} requests x {r['tokens']} tokens ({r['bytes_per_request'] / 2**20:.1f} MiB each), "
+          f"{r['concurrency']} in flight, {r['block_table']} block tables, "
+          f"{r['descriptors_per_request']} block descriptors per request")
+    print(f"  {'':28s} {'GB/s':>8s} {'kvconnect/x':>12s}")
+    print(f"  {'kvconnect P/D pull':28s} {r['kvconnect_gbps']:8.2f} {'':>12s}")
+    raw = r["raw_gbps"]
+    print(f"  {'raw ' + r['backend'] + ' (1 region, 1 desc)':28s} {raw:8.2f} "
+          f"{r['ratio_vs_raw'] if r['ratio_vs_raw'] is not None else float('nan'):12.2f}")
+    print(f"  {'memcpy (one process)':28s} {r['memcpy_gbps']:8.2f} {r['ratio_vs_memcpy']:12.2f}")
+    print(f"  latency p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; verified: {r['verified']}; "
+          f"failed: {len(r['failed'])}")
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'kvconnect[plot]'") from None
+    sizes = [r["bytes_per_request"] / 2**20 for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("kvconnect_gbps", "kvconnect P/D pull"), ("raw_gbps", f"raw {results[0]['backend']}"),
+                       ("memcpy_gbps", "memcpy")):
+        ax.plot(sizes, [r[key] for r in results], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request size (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{results[0]['backend']}, {results[0]['preset']}: GB/s against request size")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print, optionally plot; exit status 1 if any byte differed or any request failed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.plot:
+        tokens = [int(t) for t in args.sweep.split(",") if t.strip()]
+        results = [measure(args, t, show_progress=not args.json) for t in tokens]
+        _plot(results, args.plot)
+        if args.json:
+            print(json.dumps(results))
+        else:
+            for r in results:
+                _table(r)
+            print(f"plot written to {args.plot}", file=sys.stderr)
+    else:
+        results = [measure(args, args.tokens, show_progress=not args.json)]
+        if args.json:
+            print(json.dumps(results[0]))
+        else:
+            _table(results[0])
+    return 0 if all(r["verified"] and not r["failed"] for r in results) else 1
