@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-EXTRAS := test,nixl,mooncake-cpu
+EXTRAS := test,nixl,mooncake-cpu,plot
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo bench clean sysdeps
