@@ -129,8 +129,12 @@ class NixlTransport(Transport):
     name = "nixl"
 
     def __init__(self, agent_name: str | None = None, *, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 0, progress_thread: bool = True):
-        """Create the agent; without `progress_thread` this side must only initiate, and keep polling."""
+                 num_threads: int = 4, progress_thread: bool = True):
+        """Create the agent; without `progress_thread` this side must only initiate, and keep polling.
+
+        `num_threads` UCX workers share a post's descriptors: with per-block descriptors (random block
+        tables) 4 of them pulled 2.4-3.3 GB/s where one pulled 1.0-1.3 on a 2-core host, at no idle cost.
+        """
         import nixl._api as nixl_api
 
         if "UCX" in backends:
