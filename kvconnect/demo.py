@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
     parser.add_argument("--preset", default="llama3-8b", help="KV-cache shape: llama3-8b, llama3-70b-tp8, mla, hybrid")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     parser.add_argument("--block-table", default="random", choices=["random", "contiguous"],
                         help="how block ids are laid out on each side")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw-backend baseline")
