@@ -1,0 +1,148 @@
+"""Helpers for the vLLM e2e tests and compare.py: a tiny random model, engines in their own sessions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def make_llama(path: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 4,
+               head_dim: int | None = None, vocab: int = 512, intermediate: int = 256,
+               max_pos: int = 4608, seed: int = 0) -> Path:
+    """A random Llama saved with transformers (no downloads); idempotent for one path."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads, vocab_size=vocab,
+                      intermediate_size=intermediate, max_position_embeddings=max_pos,
+                      torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    # Larger random weights than the default init, so greedy tokens vary with the context.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+def plugin_registered() -> bool:
+    """Whether our vllm.general_plugins entry point is installed (else tests use the module path)."""
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(ep.value.startswith("kvconnect.") for ep in eps)
+
+
+def kv_config(connector: str, role: str = "kv_both", **kw) -> dict:
+    cfg = {"kv_connector": connector, "kv_role": role, **kw}
+    if not plugin_registered():
+        cfg["kv_connector_module_path"] = "kvconnect.integrations.vllm"
+    return cfg
+
+
+class Engine:
+    """A vLLM engine in a subprocess in its own session; `close()` kills the whole group."""
+
+    def __init__(self, model: Path, *, kv: dict | None, core: int, name: str, llm: dict | None = None,
+                 env: dict | None = None, log_dir: Path | None = None):
+        self.name = name
+        llm_kw = {"max_model_len": 2048, "dtype": "float32", "enable_prefix_caching": False,
+                  "max_num_seqs": 16, "seed": 0}
+        llm_kw.update(llm or {})
+        spec = {"model": str(model), "kv": kv, "llm": llm_kw}
+        e = dict(os.environ)
+        e.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
+                  "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false",
+                  "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "WARNING")})
+        e.update(env or {})
+        log_dir = log_dir or Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_server.py"), json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, start_new_session=True, env=e)
+        self._ready = False
+        self._replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        if not self._ready:
+            self._read(timeout)
+            self._ready = True
+
+    def _pump(self) -> None:
+        """Reader thread: JSON replies to the queue, everything else (vLLM logs on stdout) to the log."""
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._replies.put(json.loads(line))
+            else:
+                self._log.write(line)
+        self._replies.put(None)
+
+    def _read(self, timeout: float) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"engine {self.name}: no reply in {timeout} s; log {self.log_path}:\n{self.tail()}")
+        if reply is None:
+            self._replies.put(None)
+            raise RuntimeError(f"engine {self.name} exited ({self.proc.poll()}); log:\n{self.tail()}")
+        return reply
+
+    def call(self, timeout: float = 300.0, **cmd) -> dict:
+        self.wait_ready()
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read(timeout)
+        if not reply.get("ok"):
+            raise RuntimeError(f"engine {self.name}: {reply.get('error')}\n{reply.get('trace', '')}")
+        return reply
+
+    def generate(self, prompts, max_tokens=8, params=None, timeout=300.0) -> dict:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "".join(open(self.log_path).readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """Kill the engine's whole process group (EngineCore and workers included)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=20)
+            except Exception:
+                pass
+        self.kill()
+        self._log.close()
+
+
+def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
