@@ -87,6 +87,26 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release handles, drop peers, deregister memory, then the backend; idempotent."""
 
+    # Bookkeeping every backend keeps the same way: an open/closed flag and its peers by id.
+    label: str = ""  # how messages name the backend
+    _closed: bool = False
+    _peers: dict
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"the {self.label} transport is closed")
+
+    def _peer(self, peer_id: str):
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
+        return peer
+
     def wait(self, handle: object, timeout_s: float, interval_s: float = 0.0005) -> TransferState:
         """Poll until DONE or FAILED, or until `timeout_s` passes (then PENDING: the caller decides)."""
         deadline = time.monotonic() + timeout_s

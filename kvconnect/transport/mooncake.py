@@ -137,6 +137,7 @@ class MooncakeTransport(Transport):
     """Transport over a Mooncake Transfer Engine in P2P-handshake mode."""
 
     name = "mooncake"
+    label = "Mooncake"
 
     def __init__(self, host: str = "127.0.0.1", *, protocol: str = "tcp", device: str = "",
                  max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES, close_timeout_s: float = 30.0):
@@ -324,22 +325,7 @@ class MooncakeTransport(Transport):
         self._registered = []
         self._engine = None
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` ran."""
-        return self._closed
-
     # ---- internals ----
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("the Mooncake transport is closed")
-
-    def _peer(self, peer_id: str) -> _Peer:
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
-        return peer
 
     def _xfer(self, handle: object) -> _Xfer:
         if not isinstance(handle, _Xfer):

@@ -127,6 +127,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
+    label = "NIXL"
 
     def __init__(self, agent_name: str | None = None, *, backends: Sequence[str] = ("UCX",),
                  num_threads: int = 4, progress_thread: bool = True):
@@ -327,22 +328,7 @@ class NixlTransport(Transport):
         finally:
             self._lock.release()
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close()` ran."""
-        return self._closed
-
     # ---- internals (called with the lock held) ----
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("the NIXL transport is closed")
-
-    def _peer(self, peer_id: str) -> _Peer:
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
-        return peer
 
     def _xfer(self, handle: object) -> _Xfer:
         if not isinstance(handle, _Xfer):
