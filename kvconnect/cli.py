@@ -1,4 +1,4 @@
-"""The `kvconnect` command: `bench <name>` and `demo` (each a module loaded only when asked for)."""
+"""The `kvconnect` command: `bench <name>`, `demo`, `doctor` and `proxy` (each module loaded only when asked for)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
 COMMANDS: dict[str, str] = {
     "demo": "kvconnect.demo",
     "doctor": "kvconnect.doctor",
+    "proxy": "kvconnect.proxy.command",
 }
 
 

