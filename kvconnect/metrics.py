@@ -1,7 +1,9 @@
 """Prometheus metrics of every kvconnect process, all named `kvconnect_*`.
 
-They live in prometheus_client's default registry, so an engine that already serves /metrics (vLLM
-does) shows them beside its own; a standalone worker can serve them with `serve(port)`.
+They live in prometheus_client's default registry of the process that moves the bytes. Under vLLM
+that is the engine-core worker, not the API server, so vLLM's /metrics does not show them: the vLLM
+adapter passes their per-step increments into vLLM's connector stats (its "KV Transfer metrics" log
+line), and `serve(port)` exposes them from any process that calls it.
 """
 
 from __future__ import annotations

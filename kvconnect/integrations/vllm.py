@@ -241,6 +241,12 @@ class _PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra = _extra(vllm_config, _PD_KEYS, name)
         if ktc.kv_role not in _ROLE:
             raise ValueError(f"{name}: kv_role must be one of {sorted(_ROLE)}, got {ktc.kv_role!r}")
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        if tp > 1:
+            # Transfer params name one side channel and one rank's blocks: with TP every decode rank
+            # would pull rank 0's shard. Refuse rather than move the wrong bytes.
+            raise ValueError(f"{name}: tensor_parallel_size={tp} is not supported yet; run one instance per "
+                             "device (tensor_parallel_size=1) and scale out with more instances")
         self._groups = _check_groups(kv_cache_config, name)
         self._block_size = _block_size(vllm_config)
         self._engine_id = str(ktc.engine_id)
