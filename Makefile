@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 EXTRAS := test,nixl,mooncake-cpu,plot,proxy
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench clean sysdeps
+.PHONY: venv test demo bench clean sysdeps multihost
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/kvconnect demo
+
+# The P/D conformance suite with producer and consumer in two network namespaces (needs root and
+# iproute2). KVCONNECT_REQUIRE_MULTIHOST=1 makes "cannot run here" a failure, never a silent skip.
+multihost: venv
+	KVCONNECT_REQUIRE_MULTIHOST=1 $(PY) -m pytest -q -p no:cacheprovider integration/multihost
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -111,6 +111,12 @@ class KVConnector:
         if cfg.backend == "nixl" and cfg.role == "consumer":
             # A consumer only initiates and its worker polls: NIXL's progress thread would only burn a core.
             options.setdefault("progress_thread", False)
+        if cfg.backend == "mooncake" and cfg.role in ("producer", "both"):
+            # Mooncake advertises the host it was started on: peers on other hosts must be able to reach
+            # it, so default to the side channel's public address rather than loopback.
+            public = cfg.advertise_host or (None if cfg.host in ("0.0.0.0", "::", "") else cfg.host)
+            if public:
+                options.setdefault("host", public)
         transport = self._transport or make_transport(cfg.backend, options)
         transport.register(regions)
         self._transport, self.regions = transport, regions

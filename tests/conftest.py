@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kvconnect.layout import KVCacheLayout
+from pd_peer import (Answer, Channel, Command, Hello, Ready, Setup, Topology, decode_value, join_address)
 
 
 def random_bytes_(tensor: torch.Tensor, seed: int) -> torch.Tensor:
@@ -48,32 +55,101 @@ def llama_like_cache() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return kv_cache(KVCacheLayout.LBHNC, (4, 32, 2, 16, 128), torch.bfloat16, seed=1)
 
 
+# Variables a producer gets from this process's environment even when its launcher does not pass the
+# environment on (ssh): the transports' own settings, e.g. UCX_TLS for the kill test.
+FORWARDED_ENV_PREFIXES = ("UCX_", "NIXL_", "MC_")
+# kvconnect sets UCX_MODULES for the host it runs on (no RDMA device here); another host decides for itself.
+_UCX_MODULES_AT_START = os.environ.get("UCX_MODULES")
+PEER_SCRIPT = Path(__file__).resolve().parent / "pd_peer.py"
+
+
+def forwarded_env() -> dict[str, str]:
+    """The transport variables of this process that a launched producer applies before its engines start."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    if _UCX_MODULES_AT_START is None:
+        env.pop("UCX_MODULES", None)
+    return env
+
+
 class ProducerProcess:
-    """A producer worker in a spawned process (see tests/pd_peer.py), commanded over a Pipe."""
+    """A producer worker: `tests/pd_peer.py` launched with an optional prefix, commanded over TCP.
+
+    The launcher comes from `KVCONNECT_TEST_PRODUCER_LAUNCH` (e.g. `ip netns exec NS`, or `ssh NODE`;
+    over ssh this checkout must be at the same path on the other host, and
+    `KVCONNECT_TEST_PRODUCER_PYTHON` names its interpreter). The producer connects back to a control
+    listener on the consumer host, so it works wherever the test process is reachable from.
+    """
+
+    connect_timeout_s = 90.0  # launcher + interpreter + torch import on a loaded host (or over ssh)
+    setup_timeout_s = 90.0    # caches made, transport started, memory registered
 
     def __init__(self, kind: str, num_blocks: int, seed: int, *, engine_id: str = "prefill-0", port: int = 0,
-                 lease_s: float = 30.0, secret: str | None = None, backend: str = "nixl"):
-        import multiprocessing as mp
+                 lease_s: float = 30.0, secret: str | None = None, backend: str = "nixl",
+                 topology: Topology | None = None):
+        topo = topology or Topology.from_env()
+        self.kind, self.num_blocks, self.seed, self.topology = kind, num_blocks, seed, topo
+        token = secrets.token_hex(16)
+        family = socket.AF_INET6 if ":" in topo.consumer_host else socket.AF_INET
+        with socket.create_server((topo.consumer_host, 0), family=family) as listener:
+            control = join_address(topo.consumer_host, listener.getsockname()[1])
+            self.command = [*topo.launch, topo.python, str(PEER_SCRIPT), "--control", control, "--token", token]
+            # stdin closed: an ssh launcher must not read the test's terminal.
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+            try:
+                self.channel = self._accept(listener, token, control)
+            except BaseException:
+                self._kill_local()
+                raise
+        try:
+            self.channel.send(Setup(
+                kind=kind, num_blocks=num_blocks, seed=seed, engine_id=engine_id, port=port, lease_s=lease_s,
+                secret=secret if secret is not None else os.environ.get("KVCONNECT_SECRET") or None,
+                backend=backend, host=topo.producer_host, device=topo.producer_device, env=forwarded_env()))
+            ready = self.channel.recv(self.setup_timeout_s, "the producer's Ready")
+            if isinstance(ready, Answer) and ready.error:
+                raise RuntimeError(f"producer ({' '.join(self.command)}) failed: {ready.error}")
+            if not isinstance(ready, Ready):
+                raise RuntimeError(f"producer sent {type(ready).__name__} instead of Ready")
+        except BaseException:
+            self._kill_local()
+            self.channel.close()
+            raise
+        self.host, self.port, self.incarnation, self.pid = ready.host, ready.port, ready.incarnation, ready.pid
 
-        import pd_peer
+    def _accept(self, listener: socket.socket, token: str, control: str) -> Channel:
+        """The control connection of the process launched with `token`, within `connect_timeout_s`."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"producer launch exited with code {rc} before connecting back to {control}: "
+                                   f"{' '.join(self.command)}")
+            listener.settimeout(min(0.5, left))
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                continue
+            channel = Channel(sock)
+            try:
+                hello = channel.recv(max(0.1, deadline - time.monotonic()), "the producer's hello")
+            except (TimeoutError, ConnectionError):
+                channel.close()
+                continue
+            if isinstance(hello, Hello) and secrets.compare_digest(hello.token, token):
+                return channel
+            channel.close()  # someone else dialled the listener; keep waiting for ours
+        raise TimeoutError(f"producer did not connect back to {control} within {self.connect_timeout_s} s "
+                           f"(launched: {' '.join(self.command)}); can it reach that address?")
 
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=pd_peer.producer_main, daemon=True,
-                                args=(child, kind, num_blocks, seed, engine_id, port, lease_s, secret, backend))
-        self.proc.start()
-        _, (self.host, self.port), self.incarnation = self._recv(60.0)
-        self.kind, self.num_blocks, self.seed = kind, num_blocks, seed
-
-    def _recv(self, timeout: float = 30.0):
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"producer process silent for {timeout} s (exit code {self.proc.exitcode})")
-        return self.conn.recv()
-
-    def call(self, *cmd, timeout: float = 30.0):
-        """Send a command and return the producer's answer."""
-        self.conn.send(cmd)
-        return self._recv(timeout)
+    def call(self, name: str, *args, timeout: float = 30.0):
+        """Send a command and return the producer's answer (its error raised as RuntimeError)."""
+        self.channel.send(Command(name=name, args=list(args)))
+        answer = self.channel.recv(timeout, f"the answer to {name!r}")
+        if not isinstance(answer, Answer):
+            raise RuntimeError(f"producer answered {name!r} with {type(answer).__name__}")
+        if answer.error:
+            raise RuntimeError(f"producer failed {name!r}: {answer.error}")
+        return decode_value(name, answer.value)
 
     def hold(self, request_id: str, block_ids, tokens: int) -> dict:
         """Hold blocks (one list per KV group) and return the transfer params as plain data."""
@@ -84,20 +160,41 @@ class ProducerProcess:
         return self.call("held", wait_s, timeout=wait_s + 30.0)
 
     def kill(self) -> None:
-        """SIGKILL: no goodbye, no cleanup."""
-        self.proc.kill()
-        self.proc.join(10)
+        """SIGKILL: no goodbye, no cleanup. The producer kills itself (a launcher such as ssh may stand
+        between it and the local process); if it cannot be told, the local process is killed."""
+        if self.proc.poll() is None:
+            try:
+                self.channel.send(Command(name="kill"))
+                # The kernel closes a dead process's sockets: end of stream proves the producer is gone.
+                self.channel.wait_closed(10.0)
+            except (OSError, TimeoutError):
+                self._kill_local()
+        self.channel.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._kill_local()
 
     def stop(self) -> None:
         """Orderly stop; kill if it does not exit."""
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             try:
-                self.conn.send(("stop",))
+                self.channel.send(Command(name="stop"))
             except OSError:
                 pass
-            self.proc.join(15)
-        if self.proc.is_alive():
-            self.kill()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.channel.close()
+
+    def _kill_local(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired as exc:
+                raise TimeoutError(f"producer process {self.proc.pid} survived SIGKILL for 10 s") from exc
 
 
 @pytest.fixture

@@ -1,9 +1,14 @@
 """The P/D conformance suite: every transport must pass it, over its real library, between real processes.
 
 Every byte checked, every fault reported within its deadline, nothing left held. The producer is a
-spawned process (tests/pd_peer.py) with its own transport and side channel; this process is the
+process of its own (tests/pd_peer.py) with its own transport and side channel; this process is the
 consumer. Where a fault cannot be provoked for real, the test says it uses FaultyTransport, a wrapper
 around the real transport under test.
+
+By default both sides run on loopback with CPU caches. `KVCONNECT_TEST_*` variables (see
+`pd_peer.Topology`) move the producer into another network namespace or onto another host, bind each
+side to an address of its own and put the caches on a GPU; integration/multihost and integration/gpu
+run this suite that way.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from kvconnect.connector import ConnectorConfig, Finished, KVConnector, make_transport
 from kvconnect.transport.faulty import FaultyTransport
-from pd_peer import make_caches
+from pd_peer import Topology, make_caches, transport_options
 
 BACKENDS = ["nixl", "mooncake"]
 
@@ -37,20 +42,22 @@ def producers(producers, backend):
 
 
 def real_transport(backend: str):
-    """A fresh transport of the backend under test, for wrapping."""
-    return make_transport(backend, {})
+    """A fresh transport of the backend under test, bound to the consumer's address, for wrapping."""
+    return make_transport(backend, transport_options(backend, Topology.from_env().consumer_host))
 
 
 @pytest.fixture
 def consumers(backend):
     """Make registered consumer connectors with `consumers(kind, num_blocks, **config)`; closed at teardown."""
     made: list[KVConnector] = []
+    topo = Topology.from_env()
 
     def make(kind: str, num_blocks: int, *, transport=None, **cfg) -> tuple[KVConnector, dict[str, torch.Tensor]]:
-        caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED)
+        caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED, topo.consumer_device)
         cfg.setdefault("backend", backend)
-        c = KVConnector(ConnectorConfig(role="consumer", engine_id="decode-0", group_regions=groups, **cfg),
-                        transport=transport)
+        cfg.setdefault("transport_options", transport_options(cfg["backend"], topo.consumer_host))
+        c = KVConnector(ConnectorConfig(role="consumer", engine_id="decode-0", host=topo.consumer_host,
+                                        group_regions=groups, **cfg), transport=transport)
         c.register_kv_caches(caches)
         made.append(c)
         return c, caches
@@ -77,9 +84,12 @@ def wait_for(conn: KVConnector, request_ids, timeout: float = 30.0) -> Finished:
 
 
 def byte_rows(caches: dict[str, torch.Tensor], conn: KVConnector) -> list[torch.Tensor]:
-    """Per region, its blocks as `(num_blocks, block_bytes)` uint8 rows (a view, not a copy)."""
+    """Per region, its blocks as `(num_blocks, block_bytes)` uint8 rows in host memory.
+
+    A view of CPU caches; a copy of GPU caches, so that bytes from any device compare with each other.
+    """
     tensors = [caches[r.names[0]] for r in conn.regions]
-    return [t.reshape(t.shape[0], -1).view(torch.uint8) for t in tensors]
+    return [t.reshape(t.shape[0], -1).view(torch.uint8).cpu() for t in tensors]
 
 
 def assert_pulled(conn, local_caches, before, producer, pulls) -> None:
@@ -177,7 +187,8 @@ def test_producer_killed_mid_transfer_fails_the_load_within_its_deadline(produce
     if backend == "nixl":
         # UCX over TCP (both processes) moves about 0.3 GB/s here, so 384 MiB is still in flight when
         # the SIGKILL lands; over cross-memory attach the pull could finish before the kill took effect.
-        monkeypatch.setenv("UCX_TLS", "tcp")
+        # GPU memory over TCP needs UCX's cuda_copy to stage it through host memory.
+        monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy" if Topology.from_env().uses_cuda else "tcp")
     producer = producers("big", 6144, PRODUCER_SEED)
     transport = _PostSignal(real_transport(backend))
     conn, _ = consumers("big", 6144, transport=transport, load_timeout_s=8.0)
@@ -263,6 +274,7 @@ def test_remote_block_ids_out_of_range_are_rejected_before_posting(producers, co
 
 def test_a_dead_side_channel_fails_the_load_within_the_handshake_deadline(consumers) -> None:
     conn, _ = consumers("dense", 16, handshake_timeout_s=1.0)
+    # A free port on this process's own loopback (a network namespace has its own `lo`): nobody listens.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
@@ -275,10 +287,10 @@ def test_a_dead_side_channel_fails_the_load_within_the_handshake_deadline(consum
 
 
 def test_a_restarted_producer_is_re_handshaken_and_old_params_fail(producers, consumers) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    first = producers("dense", 32, PRODUCER_SEED, port=port)
+    # The restart reuses the first producer's port, which is free where the producer runs (another
+    # namespace or host, perhaps) once that producer is dead.
+    first = producers("dense", 32, PRODUCER_SEED)
+    port = first.port
     conn, caches = consumers("dense", 32)
     p1 = first.hold("a", [np.array([1])], tokens=16)
     stale = first.hold("stale", [np.array([2])], tokens=16)

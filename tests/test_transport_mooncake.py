@@ -513,3 +513,20 @@ def _outcome(t: MooncakeTransport, peer_id: str, n: int, deadline_s: float) -> s
     state = t.wait(h, deadline_s)
     t.release(h)
     return "FAILED" if state is not TransferState.DONE else "DONE"
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    ({"advertise_host": "localhost"}, "localhost"),
+    ({"host": "0.0.0.0", "allow_wildcard": True, "advertise_host": "localhost"}, "localhost"),
+    ({}, "127.0.0.1"),
+    ({"advertise_host": "localhost", "transport_options": {"host": "127.0.0.1"}}, "127.0.0.1"),
+])
+def test_producer_serves_mooncake_on_its_advertised_address(cfg, expected) -> None:
+    from kvconnect.connector import ConnectorConfig, KVConnector
+
+    conn = KVConnector(ConnectorConfig(role="producer", backend="mooncake", **cfg))
+    try:
+        conn.register_kv_caches({"layer": torch.zeros(4, 64, dtype=torch.uint8)})
+        assert conn._transport.host == expected
+    finally:
+        conn.close()
