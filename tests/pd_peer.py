@@ -80,16 +80,6 @@ class Topology:
         return any(d.startswith("cuda") for d in (self.producer_device, self.consumer_device))
 
 
-def transport_options(backend: str, host: str) -> dict[str, Any]:
-    """Transport options that bind a backend's data plane to `host`.
-
-    Mooncake serves its segment on the address it is initialised with, so it must be the address
-    peers reach. NIXL has no such option: UCX puts the addresses of the interfaces it selects
-    (`UCX_NET_DEVICES`, all of them by default) into the agent metadata peers load.
-    """
-    return {"host": host} if backend == "mooncake" else {}
-
-
 # ---- caches ----
 
 def make_caches(kind: str, num_blocks: int, seed: int,
@@ -283,8 +273,7 @@ def serve(channel: Channel, setup: Setup) -> None:
     caches, groups = make_caches(setup.kind, setup.num_blocks, setup.seed, setup.device)
     connector = KVConnector(ConnectorConfig(
         role="producer", engine_id=setup.engine_id, host=setup.host, port=setup.port, lease_s=setup.lease_s,
-        secret=setup.secret, group_regions=groups, backend=setup.backend,
-        transport_options=transport_options(setup.backend, setup.host)))
+        secret=setup.secret, group_regions=groups, backend=setup.backend))
     try:
         connector.register_kv_caches(caches)
         host, port = connector.side_channel

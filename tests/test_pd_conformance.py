@@ -22,7 +22,7 @@ import torch
 
 from kvconnect.connector import ConnectorConfig, Finished, KVConnector, make_transport
 from kvconnect.transport.faulty import FaultyTransport
-from pd_peer import Topology, make_caches, transport_options
+from pd_peer import Topology, make_caches
 
 BACKENDS = ["nixl", "mooncake"]
 
@@ -42,8 +42,8 @@ def producers(producers, backend):
 
 
 def real_transport(backend: str):
-    """A fresh transport of the backend under test, bound to the consumer's address, for wrapping."""
-    return make_transport(backend, transport_options(backend, Topology.from_env().consumer_host))
+    """A fresh transport of the backend under test, for wrapping."""
+    return make_transport(backend, {})
 
 
 @pytest.fixture
@@ -55,7 +55,6 @@ def consumers(backend):
     def make(kind: str, num_blocks: int, *, transport=None, **cfg) -> tuple[KVConnector, dict[str, torch.Tensor]]:
         caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED, topo.consumer_device)
         cfg.setdefault("backend", backend)
-        cfg.setdefault("transport_options", transport_options(cfg["backend"], topo.consumer_host))
         c = KVConnector(ConnectorConfig(role="consumer", engine_id="decode-0", host=topo.consumer_host,
                                         group_regions=groups, **cfg), transport=transport)
         c.register_kv_caches(caches)

@@ -148,6 +148,25 @@ def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
+
+def read_stats(path: Path) -> dict:
+    """A connector's `stats_path` file, or {} while it is missing or half written."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def wait_for(fn, timeout: float, what: str):
+    """Poll `fn` until it returns something truthy (returned), or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 

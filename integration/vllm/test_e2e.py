@@ -6,34 +6,16 @@ disaggregated runs must equal a run without disaggregation.
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
-from harness import Engine, kv_config, prompts_of
+from harness import Engine, kv_config, prompts_of, read_stats, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 8
 LENGTHS = [1, 15, 16, 17, 31, 32, 33, 300, 1000]
-
-
-def _read(path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _wait_for(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _tokens(reply) -> list[list[int]]:
@@ -79,7 +61,7 @@ def test_pd_greedy_equal(pd):
         assert dec["outputs"][0]["finish_reason"] == "length", (len(prompt), dec)
         assert _tokens(dec)[0] == ref, f"{name}: prompt of {len(prompt)} tokens differs"
     # Prefill's blocks are all released once decode pulled them.
-    st = _wait_for(lambda: (s := _read(pstats)) and s.get("held_requests") == 0 and s.get("released") >= len(prompts)
+    st = wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0 and s.get("released") >= len(prompts)
                    and s, 30, "prefill to release every block")
     assert st["held_blocks"] == 0 and st["handed_out"] == st["released"]
 
@@ -92,8 +74,8 @@ def test_pd_concurrent(pd):
     assert [o["finish_reason"] for o in dec["outputs"]] == ["length"] * 8
     assert _tokens(dec) == base
     assert len({p["remote_request_id"] for p in params}) == 8
-    _wait_for(lambda: _read(pstats).get("held_requests") == 0, 30, "prefill to release every block")
-    assert _read(pstats)["held_blocks"] == 0
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 30, "prefill to release every block")
+    assert read_stats(pstats)["held_blocks"] == 0
 
 
 def test_pd_prefill_killed(pd, tiny_llama, tmp_path):
@@ -141,11 +123,11 @@ def test_offload_roundtrip(tiny_llama, tmp_path):
     try:
         prompts = prompts_of([300], seed=21)
         first = E.generate(prompts, max_tokens=MAX_TOKENS)
-        _wait_for(lambda: _read(stats).get("stores", 0) > 0, 30, "the tier to store the request")
-        _wait_for(lambda: E.call(op="reset_prefix_cache")["reset"], 30, "reset_prefix_cache() to succeed")
-        before = _read(stats)
+        wait_for(lambda: read_stats(stats).get("stores", 0) > 0, 30, "the tier to store the request")
+        wait_for(lambda: E.call(op="reset_prefix_cache")["reset"], 30, "reset_prefix_cache() to succeed")
+        before = read_stats(stats)
         second = E.generate(prompts, max_tokens=MAX_TOKENS)
-        after = _wait_for(lambda: (s := _read(stats)) and s.get("loads", 0) > before.get("loads", 0) and s,
+        after = wait_for(lambda: (s := read_stats(stats)) and s.get("loads", 0) > before.get("loads", 0) and s,
                           30, "the tier to report loads")
         assert _tokens(second) == _tokens(first)
         assert after["hits"] > before.get("hits", 0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness import add_tokenizer, kv_config, make_llama
+from harness import add_tokenizer, kv_config, make_llama, read_stats, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -145,26 +145,14 @@ def _stream(base: str, path: str, body: dict) -> list[dict]:
     return events
 
 
-def _stats(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _released_all(pstats: Path, at_least: int, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = _stats(pstats)
-        if st.get("released", 0) >= at_least and st.get("held_requests") == 0:
-            return st
-        time.sleep(0.2)
-    raise AssertionError(f"prefill did not release its blocks: {_stats(pstats)}")
+    return wait_for(lambda: (st := read_stats(pstats)).get("released", 0) >= at_least
+                    and st.get("held_requests") == 0 and st, timeout, f"prefill to release its blocks ({pstats})")
 
 
 def test_completions_through_the_router_equal_a_single_server(stack):
     prefill, decode, router, pstats = stack
-    before = _stats(pstats).get("handed_out", 0)
+    before = read_stats(pstats).get("handed_out", 0)
     for prompt in PROMPTS:
         ref = _completion(prefill.url, prompt)
         got = _completion(router.url, prompt)
@@ -206,7 +194,7 @@ def test_concurrent_requests_through_the_router(stack):
     prefill, decode, router, pstats = stack
     prompts = [f"request {i} " * (5 + 7 * i) for i in range(6)]
     refs = [_completion(prefill.url, p)["choices"][0]["token_ids"] for p in prompts]
-    before = _stats(pstats).get("handed_out", 0)
+    before = read_stats(pstats).get("handed_out", 0)
     got: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
