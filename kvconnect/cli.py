@@ -1,53 +1,98 @@
-"""The `kvconnect` command: `bench <name>`, `demo`, `doctor` and `proxy` (each module loaded only when asked for)."""
+"""The `kvconnect` command: demo, doctor, proxy and bench <name>; only the command asked for is imported.
+
+Exit codes: 0 success; 1 the command ran and found a failure (a byte differed, a request failed, a
+backend cannot move bytes); 2 a bad command line (one line naming the flag); 3 a package or library
+the command needs is missing (with the install hint); 4 the command crashed (a bug: traceback shown).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import traceback
 from typing import Sequence
 
-# name -> module with `add_arguments(parser)` and `run(args) -> int`. Modules are imported lazily so
-# that `kvconnect bench descriptors` does not pay for importing a transport library.
-BENCHES: dict[str, str] = {
-    "descriptors": "kvconnect.bench.descriptors",
-    "handshake": "kvconnect.bench.handshake",
-    "offload": "kvconnect.bench.offload",
-    "transfer": "kvconnect.bench.transfer",
+from kvconnect import __version__
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_ERROR = 0, 1, 2, 3, 4
+
+# name -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help, extra that provides it)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("kvconnect.demo", "P/D between two processes on loopback, every byte checked", "nixl"),
+    "doctor": ("kvconnect.doctor", "what works on this host: backends, RDMA, CUDA, side-channel settings", ""),
+    "proxy": ("kvconnect.proxy.command", "an OpenAI-compatible P/D router in front of vLLM instances", "proxy"),
 }
-COMMANDS: dict[str, str] = {
-    "demo": "kvconnect.demo",
-    "doctor": "kvconnect.doctor",
-    "proxy": "kvconnect.proxy.command",
+BENCHES: dict[str, tuple[str, str, str]] = {
+    "descriptors": ("kvconnect.bench.descriptors", "descriptor building beside a Python loop", ""),
+    "handshake": ("kvconnect.bench.handshake", "side-channel round trips, with and without a secret", ""),
+    "offload": ("kvconnect.bench.offload", "CPU-tier store and load beside memcpy", ""),
+    "transfer": ("kvconnect.bench.transfer", "P/D pull beside the raw backend and memcpy", "nixl"),
 }
 
 
-def _add_commands(sub: argparse._SubParsersAction, table: dict[str, str]) -> None:
-    for name, module in table.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a missing dependency inside the module is a real error
-                raise
-            continue
-        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+class _Parser(argparse.ArgumentParser):
+    """argparse with our exit code for usage errors and one line of error text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvconnect", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="measure kvconnect against a baseline run in the same process")
-    _add_commands(bench.add_subparsers(dest="bench", required=True), BENCHES)
-    _add_commands(sub, COMMANDS)
-    return parser
+def _table(entries: dict[str, tuple[str, str, str]], indent: int = 2) -> str:
+    return "\n".join(f"{' ' * indent}{name:12s} {help_}" for name, (_, help_, _) in entries.items())
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvconnect", formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Moves LLM KV-cache blocks between serving workers.",
+                epilog=f"commands:\n{_table(COMMANDS)}\n  bench NAME   a benchmark against a baseline measured in the same "
+                       f"run:\n{_table(BENCHES, 4)}\n\n"
+                       "Run `kvconnect COMMAND -h` for a command's options.")
+    p.add_argument("--version", action="version", version=f"kvconnect {__version__}")
+    p.add_argument("command", choices=[*COMMANDS, "bench"], metavar="COMMAND")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
+
+
+def _missing(exc: ModuleNotFoundError, extra: str) -> int:
+    hint = f"pip install 'kvconnect[{extra}]'" if extra else "reinstall kvconnect"
+    print(f"kvconnect: this command needs the Python package {exc.name!r}, which is not installed ({hint})",
+          file=sys.stderr)
+    return EXIT_ENVIRONMENT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvconnect` console script."""
-    args = _build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    top = _top_parser()
+    args = top.parse_args(argv)
+    rest, prog = list(args.rest), f"kvconnect {args.command}"
+    entry = COMMANDS.get(args.command)
+    if entry is None:  # bench NAME
+        if not rest or rest[0] in ("-h", "--help"):
+            print(f"usage: kvconnect bench NAME [options]\n\nbenchmarks:\n{_table(BENCHES)}")
+            return EXIT_OK if rest else EXIT_USAGE
+        if rest[0] not in BENCHES:
+            top.exit(EXIT_USAGE, f"kvconnect bench: error: unknown benchmark {rest[0]!r} "
+                                 f"(choose from {', '.join(BENCHES)})\n")
+        entry, prog, rest = BENCHES[rest[0]], f"{prog} {rest[0]}", rest[1:]
+    module, help_, extra = entry
+    try:
+        mod = importlib.import_module(module)
+        parser = _Parser(prog=prog, description=help_)
+        mod.add_arguments(parser)
+        sub = parser.parse_args(rest)
+        return int(mod.run(sub) or EXIT_OK)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").startswith("kvconnect"):
+            raise
+        return _missing(exc, extra)
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit:
+        raise
+    except Exception:  # a crash is a bug: show it, and say so in the exit code
+        traceback.print_exc()
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

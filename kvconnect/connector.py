@@ -1,12 +1,14 @@
 """The public connector: register KV caches once, then hold, pull and report requests' blocks.
 
 `KVConnector` is engine-agnostic; engine adapters translate their hooks onto it. The backend (how
-bytes move) is a setting: `NixlConnector` is `KVConnector` with `backend="nixl"`.
+bytes move) is a setting: `NixlConnector` is `KVConnector` with `backend="nixl"`. `ConnectorConfig`
+checks every field when it is built, so a wrong setting fails where it is written.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -15,13 +17,26 @@ import torch
 
 from kvconnect import wire
 from kvconnect.errors import KVConnectError
-from kvconnect.layout import fingerprint
-from kvconnect.pd.consumer import Consumer, LoadResults
+from kvconnect.layout import KVCacheLayout
+from kvconnect.pd.consumer import Consumer, LoadFailure
+from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.producer import Producer
 from kvconnect.regions import RegionSet
-from kvconnect.transport.base import Transport
+from kvconnect.sidechannel.addresses import check_bind, is_wildcard
+from kvconnect.transport import BACKENDS, Transport, check_transport_options, make_transport
 
 ROLES = ("producer", "consumer", "both")
+_SECONDS = ("lease_s", "load_timeout_s", "handshake_timeout_s", "heartbeat_s")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: the layers sharing its block table, its kind (compared, never interpreted)
+    and its tokens per block (default: the connector's `block_size`)."""
+
+    layers: tuple[str, ...]
+    label: str = "kv"
+    block_size: int | None = None
 
 
 @dataclass
@@ -36,6 +51,7 @@ class ConnectorConfig:
     port: int = 0
     advertise_host: str | None = None
     allow_wildcard: bool = False
+    # None: $KVCONNECT_SECRET (read by the side channel), or no authentication.
     secret: str | None = None
     lease_s: float = 30.0
     load_timeout_s: float = 60.0
@@ -45,43 +61,90 @@ class ConnectorConfig:
     layout: str = "LBHNC"
     rank: int = 0
     world_size: int = 1
-    # Region indices per KV-cache group (hybrid models); None means one group of every region.
-    group_regions: list[list[int]] | None = None
+    # KV-cache groups by layer name (hybrid models); None means one group of every registered layer.
+    groups: Sequence[KVGroup] | None = None
     transport_options: dict[str, Any] = field(default_factory=dict)
+    group_regions: None = None  # replaced by `groups`; kept only to say so
 
     def __post_init__(self) -> None:
+        if self.group_regions is not None:
+            raise KVConnectError("ConnectorConfig(group_regions=...) was replaced by groups=[KVGroup(layers=(...)), ...]"
+                                 " naming each group's layers")
+        if not isinstance(self.engine_id, str) or not 1 <= len(self.engine_id) <= 256:
+            raise KVConnectError(f"engine_id must be a string of 1 to 256 characters, got {self.engine_id!r}")
         if self.role not in ROLES:
-            raise KVConnectError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.secret is None:
-            self.secret = os.environ.get("KVCONNECT_SECRET") or None
+            raise KVConnectError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.backend not in BACKENDS:
+            raise KVConnectError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        try:
+            check_bind(self.host, allow_wildcard=self.allow_wildcard)
+        except ValueError as exc:
+            raise KVConnectError(str(exc)) from None
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise KVConnectError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        if self.advertise_host is not None and (not isinstance(self.advertise_host, str) or not self.advertise_host
+                                                or is_wildcard(self.advertise_host)):
+            raise KVConnectError(f"advertise_host must be an address peers can reach, got {self.advertise_host!r}")
+        if self.secret is not None and (not isinstance(self.secret, (str, bytes)) or not self.secret):
+            raise KVConnectError("secret must be a non-empty string (or None for $KVCONNECT_SECRET)")
+        for name in _SECONDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise KVConnectError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise KVConnectError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.layout not in KVCacheLayout.__members__:
+            raise KVConnectError(f"layout must be one of {', '.join(KVCacheLayout.__members__)}, got {self.layout!r}")
+        if not (isinstance(self.rank, int) and isinstance(self.world_size, int) and 0 <= self.rank < self.world_size):
+            raise KVConnectError(f"rank must be in [0, world_size), got rank {self.rank!r}, world_size "
+                                 f"{self.world_size!r}")
+        if self.groups is not None and (not self.groups or not all(isinstance(g, KVGroup) for g in self.groups)):
+            raise KVConnectError("groups must be a non-empty list of KVGroup")
+        check_transport_options(self.backend, self.transport_options)
 
 
 @dataclass
 class Finished:
-    """What `KVConnector.get_finished()` reports since its previous call."""
+    """What `KVConnector.get_finished()` reports since its previous call.
+
+    `sending`: producer requests whose blocks are free again; `loaded`: loads (by handle) whose every
+    byte landed; `failed`: loads that failed, each with its LoadFailure (stage and reason);
+    `invalid_block_ids`: the local blocks of the failed loads.
+    """
 
     sending: list[str] = field(default_factory=list)
-    recving: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    loaded: list[str] = field(default_factory=list)
+    failed: dict[str, LoadFailure] = field(default_factory=dict)
     invalid_block_ids: set[int] = field(default_factory=set)
 
-
-def make_transport(backend: str, options: Mapping[str, Any]) -> Transport:
-    """The transport for a backend name."""
-    if backend == "nixl":
-        from kvconnect.transport.nixl import NixlTransport
-
-        return NixlTransport(**options)
-    if backend == "mooncake":
-        from kvconnect.transport.mooncake import MooncakeTransport
-
-        return MooncakeTransport(**options)
-    raise KVConnectError(f"unknown backend {backend!r} (choose nixl or mooncake)")
+    @property
+    def recving(self) -> list[str]:
+        """Gone: finished and failed loads are reported apart."""
+        raise AttributeError("Finished.recving was split into Finished.loaded (loads that finished) and "
+                             "Finished.failed (loads that failed, with their LoadFailure)")
 
 
 def _dtype_name(kv_caches: Mapping[str, torch.Tensor]) -> str:
     names = sorted({str(t.dtype).removeprefix("torch.") for t in kv_caches.values()})
     return "+".join(names)[:64]
+
+
+def _resolve_groups(regions: RegionSet, groups: Sequence[KVGroup] | None) -> list[list[int]]:
+    """Region indices per group: the regions holding each group's layers (a shared region in each)."""
+    if groups is None:
+        return [list(range(len(regions)))]
+    where = {name: k for k, r in enumerate(regions) for name in r.names}
+    out = []
+    for g, group in enumerate(groups):
+        missing = [n for n in group.layers if n not in where]
+        if missing or not group.layers:
+            raise KVConnectError(f"group {g} ({group.label}) names layers that were not registered: {missing[:5]}")
+        out.append(sorted({where[n] for n in group.layers}))
+    named = {n for group in groups for n in group.layers}
+    unnamed = [n for n in where if n not in named]
+    if unnamed:
+        raise KVConnectError(f"registered layers in no group (they would never move): {unnamed[:5]}")
+    return out
 
 
 class KVConnector:
@@ -90,14 +153,15 @@ class KVConnector:
     backend = ""
 
     def __init__(self, config: ConnectorConfig | None = None, *, transport: Transport | None = None):
-        self.config = config or ConnectorConfig()
-        if self.backend:
-            self.config.backend = self.backend
+        config = config or ConnectorConfig()
+        self.config = dataclasses.replace(config, backend=self.backend) if self.backend else config
         self._transport = transport
         self.regions: RegionSet | None = None
+        self.group_regions: list[list[int]] = []
         self.metadata: wire.EngineMetadata | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self._keeper: LeaseKeeper | None = None
 
     # ---- set-up ----
 
@@ -107,6 +171,24 @@ class KVConnector:
             raise KVConnectError("register_kv_caches was already called on this connector")
         cfg = self.config
         regions = RegionSet.from_kv_caches(kv_caches)
+        group_regions = _resolve_groups(regions, cfg.groups)
+        transport = self._transport or make_transport(cfg.backend, self._transport_options())
+        transport.register(regions)
+        self._transport, self.regions, self.group_regions = transport, regions, group_regions
+        self.metadata = self._metadata(transport, regions, _dtype_name(kv_caches))
+        if cfg.role in ("producer", "both"):
+            self.producer = Producer(metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
+                                     advertise_host=cfg.advertise_host, secret=cfg.secret,
+                                     allow_wildcard=cfg.allow_wildcard, lease_s=cfg.lease_s)
+        if cfg.role in ("consumer", "both"):
+            self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
+                                     expect=self.metadata.compat, group_regions=group_regions, rank=cfg.rank,
+                                     secret=cfg.secret, load_timeout_s=cfg.load_timeout_s,
+                                     handshake_timeout_s=cfg.handshake_timeout_s)
+        return regions
+
+    def _transport_options(self) -> dict[str, Any]:
+        cfg = self.config
         options = dict(cfg.transport_options)
         if cfg.backend == "nixl" and cfg.role == "consumer":
             # A consumer only initiates and its worker polls: NIXL's progress thread would only burn a core.
@@ -114,32 +196,25 @@ class KVConnector:
         if cfg.backend == "mooncake" and cfg.role in ("producer", "both"):
             # Mooncake advertises the host it was started on: peers on other hosts must be able to reach
             # it, so default to the side channel's public address rather than loopback.
-            public = cfg.advertise_host or (None if cfg.host in ("0.0.0.0", "::", "") else cfg.host)
+            public = cfg.advertise_host or (None if is_wildcard(cfg.host) else cfg.host)
             if public:
                 options.setdefault("host", public)
-        transport = self._transport or make_transport(cfg.backend, options)
-        transport.register(regions)
-        self._transport, self.regions = transport, regions
-        dtype = _dtype_name(kv_caches)
-        self.metadata = wire.EngineMetadata(
-            engine_id=cfg.engine_id, incarnation=wire.process_incarnation(), rank=cfg.rank,
-            world_size=cfg.world_size, transport=transport.name, transport_metadata=transport.local_metadata(),
-            regions=wire.regions_to_wire(regions), block_size=cfg.block_size, layout=cfg.layout, dtype=dtype,
-            layout_fingerprint=fingerprint(layout=cfg.layout, block_size=cfg.block_size, dtype=dtype,
-                                           geometry=regions.geometry_fingerprint()),
-        )
-        if cfg.role in ("producer", "both"):
-            self.producer = Producer(
-                metadata=self.metadata, regions=regions, group_regions=cfg.group_regions, host=cfg.host,
-                port=cfg.port, advertise_host=cfg.advertise_host, secret=cfg.secret,
-                allow_wildcard=cfg.allow_wildcard, lease_s=cfg.lease_s)
-        if cfg.role in ("consumer", "both"):
-            self.consumer = Consumer(
-                engine_id=cfg.engine_id, transport=transport, regions=regions, expect=self.metadata.compat(),
-                group_regions=cfg.group_regions, rank=cfg.rank, secret=cfg.secret,
-                load_timeout_s=cfg.load_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
-                heartbeat_s=cfg.heartbeat_s)
-        return regions
+        return options
+
+    def _metadata(self, transport: Transport, regions: RegionSet, dtype: str) -> wire.EngineMetadata:
+        cfg = self.config
+        labels = cfg.groups or [KVGroup(layers=tuple(regions.names))]
+        compat = wire.Compat(transport=transport.name, layout=cfg.layout, dtype=dtype, block_size=cfg.block_size,
+                             groups=tuple(wire.GroupCompat(
+                                 label=g.label, block_size=g.block_size or cfg.block_size,
+                                 page_bytes=tuple(regions[k].block_bytes for k in idx),
+                                 layers=wire.layers_digest([regions[k].names for k in idx]))
+                                 for g, idx in zip(labels, self.group_regions)))
+        return wire.EngineMetadata(
+            engine_id=cfg.engine_id, incarnation=wire.process_incarnation(), rank=cfg.rank, world_size=cfg.world_size,
+            transport=transport.name, transport_metadata=transport.local_metadata(),
+            regions=regions.to_wire(), group_regions=tuple(tuple(g) for g in self.group_regions),
+            block_size=cfg.block_size, layout=cfg.layout, dtype=dtype, compat=compat)
 
     @property
     def transport(self) -> Transport:
@@ -161,12 +236,34 @@ class KVConnector:
         """Producer: hold a finished prefill's blocks (one id list per KV group); returns its transfer params."""
         return self._producer().hold(request_id, block_ids, num_tokens)
 
-    def start_load(self, request_id: str, local_block_ids: Sequence[Sequence[int]],
-                   params: wire.TransferParams | Mapping[str, Any], timeout_s: float | None = None) -> None:
-        """Consumer: pull a request's blocks into local block ids (a shorter local list pulls the suffix)."""
-        if not isinstance(params, wire.TransferParams):
-            params = wire.transfer_params_from_builtins(params)
-        self._consumer().load(request_id, local_block_ids, params, timeout_s)
+    def start_load(self, params: wire.TransferParams | Mapping[str, Any], local_block_ids: Sequence[Sequence[int]],
+                   *args: Any, handle: str | None = None, timeout_s: float | None = None) -> str:
+        """Consumer: pull the blocks `params` name into local block ids (a shorter local list pulls the suffix).
+
+        The load reads, and then releases, the producer's lease `params.request_id`; `handle` (default:
+        that same id) is the engine's name for it in `get_finished()` and `abort()`. Returns the handle.
+        """
+        if isinstance(params, str) or args:
+            raise TypeError("start_load(request_id, local_block_ids, params) is now start_load(params, "
+                            "local_block_ids, handle=...): the lease read is params.request_id, and the engine's own "
+                            "id, if it differs, goes in handle=")
+        if self._keeper is not None:
+            self._keeper.untrack(wire.checked_params(params).request_id)
+        return self._consumer().load(params, local_block_ids, handle=handle, timeout_s=timeout_s)
+
+    def release_remote(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
+        """Consumer: tell the producer to free a request's blocks without reading them (no handshake)."""
+        self._consumer().release(params)
+
+    def keep_alive(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
+        """Consumer: heartbeat the producer's lease until `start_load` (or `release_remote`) for it."""
+        params = wire.checked_params(params)
+        consumer = self._consumer()
+        if self._keeper is None:
+            cfg = self.config
+            self._keeper = LeaseKeeper(engine_id=cfg.engine_id, rank=cfg.rank, secret=cfg.secret,
+                                       heartbeat_s=cfg.heartbeat_s, timeout_s=consumer.handshake_timeout_s)
+        self._keeper.track(params)
 
     def abort(self, request_id: str) -> None:
         """Give up on a request on either side: a held lease is released, a pending load fails."""
@@ -176,15 +273,13 @@ class KVConnector:
             self.consumer.abort(request_id)
 
     def get_finished(self) -> Finished:
-        """Requests whose blocks were released (sending) or whose loads ended (recving, failed included)."""
+        """Requests whose blocks were released (sending) and loads that finished or failed."""
         out = Finished()
         if self.producer is not None:
             out.sending = [r.request_id for r in self.producer.poll()]
         if self.consumer is not None:
-            res: LoadResults = self.consumer.poll()
-            out.recving = res.finished + list(res.failed)
-            out.failed = res.failed
-            out.invalid_block_ids = res.invalid_blocks()
+            res = self.consumer.poll()
+            out.loaded, out.failed, out.invalid_block_ids = res.loaded, res.failed, res.invalid_block_ids
         return out
 
     @property
@@ -196,6 +291,8 @@ class KVConnector:
 
     def close(self) -> None:
         """Stop the side channel and the consumer, then close the transport in order."""
+        if self._keeper is not None:
+            self._keeper.close()
         if self.consumer is not None:
             self.consumer.close()
         if self.producer is not None:

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo and print its summary; exit status 1 if any byte differed or any request failed."""
     # NIXL logs every agent it creates at INFO; the demo's own summary says what matters.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from kvconnect.bench.pull import PullSpec, progress_bar, run_pull
+    from kvconnect.workload.pull import PullSpec, progress_bar, run_pull
     from kvconnect.presets import PRESETS
 
     if args.preset not in PRESETS:

@@ -33,7 +33,7 @@ def probe(backend: str, nbytes: int = 4096) -> dict[str, Any]:
     """Move `nbytes` between two transports of `backend` in this process and compare them byte for byte."""
     import torch
 
-    from kvconnect.connector import make_transport
+    from kvconnect.transport import make_transport
     from kvconnect.regions import RegionSet
 
     t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def _cuda() -> dict[str, Any]:
 
 
 def _side_channel(host: str) -> dict[str, Any]:
-    from kvconnect.handshake import resolve_secret
+    from kvconnect.sidechannel import resolve_secret
 
     secret = resolve_secret(None) is not None
     loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

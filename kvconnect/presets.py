@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvconnect.connector import KVGroup
 from kvconnect.layout import MambaPage
 
 
@@ -48,18 +49,18 @@ class Preset:
             total += blocks[1] * self.mamba_layers * self.mamba_page.page_size_bytes
         return total
 
-    def allocate(self, num_blocks: int) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-        """Per-layer KV tensors of `num_blocks` blocks and the region indices of each KV group."""
+    def allocate(self, num_blocks: int) -> tuple[dict[str, torch.Tensor], list[KVGroup]]:
+        """Per-layer KV tensors of `num_blocks` blocks and the KV groups they form."""
         caches: dict[str, torch.Tensor] = {}
         for i in range(self.attention_layers):
             caches[f"model.layers.{i}.self_attn"] = torch.zeros(
                 num_blocks, self.kv_heads, self.block_size, self.head_content, dtype=self.dtype)
-        groups = [list(range(self.attention_layers))]
+        groups = [KVGroup(layers=tuple(caches), label="attention")]
         if self.mamba_layers:
-            for i in range(self.mamba_layers):
-                caches[f"model.layers.{self.attention_layers + i}.mamba"] = torch.zeros(
-                    num_blocks, 1, 1, self.mamba_page.page_size_bytes, dtype=torch.int8)
-            groups.append(list(range(self.attention_layers, self.attention_layers + self.mamba_layers)))
+            names = [f"model.layers.{self.attention_layers + i}.mamba" for i in range(self.mamba_layers)]
+            for name in names:
+                caches[name] = torch.zeros(num_blocks, 1, 1, self.mamba_page.page_size_bytes, dtype=torch.int8)
+            groups.append(KVGroup(layers=tuple(names), label="mamba", block_size=self.block_size))
         return caches, groups
 
 

@@ -16,8 +16,8 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from kvconnect import wire
 from kvconnect.errors import BlockRangeError, LayoutError
-from kvconnect.layout import fingerprint
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 _EMPTY = np.empty((0, 3), dtype=np.uint64)
@@ -236,15 +236,6 @@ class RegionSet:
         """Bytes of every block of every region."""
         return int(np.sum(self._bytes * self._num_blocks.astype(np.uint64)))
 
-    @property
-    def min_num_blocks(self) -> int:
-        """The block count every region can address."""
-        return int(self._num_blocks.min())
-
-    def geometry_fingerprint(self) -> str:
-        """Stable hash of what two peers must agree on: the number of regions and each one's block bytes."""
-        return fingerprint(block_bytes=self._bytes.tolist())
-
     def _select(self, regions: Sequence[int] | np.ndarray | None) -> np.ndarray:
         if regions is None:
             return self._all
@@ -296,6 +287,22 @@ class RegionSet:
     def memory_kinds(self) -> set[MemoryKind]:
         """The memory kinds present in this set."""
         return {r.memory_kind for r in self.regions}
+
+    def to_wire(self) -> tuple[wire.RegionMeta, ...]:
+        """The regions as they cross the wire (geometry only)."""
+        return tuple(wire.RegionMeta(names=tuple(r.names), base_addr=int(r.base_addr), num_blocks=int(r.num_blocks),
+                                     block_bytes=int(r.block_bytes), block_stride=int(r.block_stride),
+                                     device_id=int(r.device_id), memory_kind=r.memory_kind.value)
+                     for r in self.regions)
+
+    @classmethod
+    def from_wire(cls, regions: Sequence[wire.RegionMeta]) -> RegionSet:
+        """A peer's regions from decoded wire regions; WireError if they do not make sense together."""
+        try:
+            return cls([Region(tuple(r.names), r.base_addr, r.num_blocks, r.block_bytes, r.block_stride, r.device_id,
+                               MemoryKind(r.memory_kind)) for r in regions])
+        except (LayoutError, ValueError, OverflowError) as exc:
+            raise wire.WireError(f"peer regions are invalid: {exc}") from None
 
 
 def _build(

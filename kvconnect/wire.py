@@ -1,34 +1,27 @@
 """The wire schema: every message that crosses a kvconnect process boundary, as msgspec structs.
 
-Nothing here is dynamic. Each message is a struct that rejects unknown fields, each decoder is built
-once at import time for exactly one type, and each decode checks the byte size of its input against
-that message's limit before msgspec looks at a single byte. Decoding failures surface as `WireError`.
+Nothing here is dynamic. Each message is a frozen struct that rejects unknown fields; each codec in
+the table below decodes exactly one type (or one tagged union) and checks the byte size of its input
+against that message's limit before msgspec looks at a single byte. Failures surface as `WireError`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
-import math
 import os
-import struct
 import uuid
-from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Sequence, Union
+from typing import Annotated, Any, Literal, Sequence, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-from kvconnect.errors import HandshakeError, KVConnectError, LayoutError
-
-if TYPE_CHECKING:
-    from kvconnect.regions import RegionSet
+from kvconnect.errors import HandshakeError, KVConnectError
 
 # Protocol history (bump on any change a peer could misread; peers only talk at equal versions):
-#   1 - first wire format: MAC'd request envelope, two-phase reply (compatibility fingerprint, then
-#       engine metadata as an inner payload), transfer parameters, claim/done/abort/heartbeat control
-#       messages with claim-reply/ack answers.
-PROTOCOL_VERSION = 1
+#   1 - MAC'd request envelope, two-phase reply, transfer parameters, claim/done/abort/heartbeat.
+#   2 - KV-cache groups in the metadata and the compatibility check (labels, page bytes, layer map);
+#       claims granted for a duration rather than until a wall-clock time.
+PROTOCOL_VERSION = 2
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -38,20 +31,17 @@ MiB = 1 << 20
 MAX_REQUEST_BYTES = 64 * KiB
 MAX_REQUEST_BODY_BYTES = MAX_REQUEST_BYTES - 1 * KiB
 MAX_REPLY_BYTES = 16 * MiB
+MAX_REPLY_BODY_BYTES = MAX_REPLY_BYTES - 1 * KiB
 MAX_METADATA_BYTES = MAX_REPLY_BYTES - 64 * KiB
 MAX_TRANSPORT_METADATA_BYTES = 8 * MiB
 MAX_TRANSFER_PARAMS_BYTES = 4 * MiB
-MAX_NOTIFICATION_BYTES = 64 * KiB
 
 MAX_REGIONS = 16384
 MAX_NAMES_PER_REGION = 4096
 MAX_KV_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 20
-# Request ids in one control message or notification (claim, done, abort, heartbeat); send more in chunks.
-MAX_HEARTBEAT_IDS = 256
-
-NONCE_BYTES = 16
-MAC_BYTES = hashlib.sha256().digest_size
+# Request ids in one control message (claim, done, abort, heartbeat); send more in chunks.
+MAX_IDS_PER_MESSAGE = 256
 
 _I64_MAX = (1 << 63) - 1
 
@@ -61,7 +51,6 @@ _EngineId = Annotated[str, Meta(min_length=1, max_length=256)]
 _RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 _Incarnation = Annotated[str, Meta(min_length=1, max_length=64)]
 _Token = Annotated[str, Meta(min_length=1, max_length=64)]
-_Fingerprint = Annotated[str, Meta(max_length=128)]
 _Rank = Annotated[int, Meta(ge=0, le=65535)]
 _WorldSize = Annotated[int, Meta(ge=1, le=65536)]
 _BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
@@ -70,11 +59,14 @@ _Address = Annotated[int, Meta(ge=0, le=_I64_MAX)]
 _Positive = Annotated[int, Meta(ge=1, le=_I64_MAX)]
 _NonNegative = Annotated[int, Meta(ge=0, le=_I64_MAX)]
 _BlockId = Annotated[int, Meta(ge=0, le=_I64_MAX)]
+_RegionIndex = Annotated[int, Meta(ge=0, lt=MAX_REGIONS)]
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Host = Annotated[str, Meta(min_length=1, max_length=255)]
 _Detail = Annotated[str, Meta(max_length=1024)]
-# Unix seconds, bounded so that NaN and infinities never reach a comparison.
+_Digest = Annotated[str, Meta(max_length=64)]
+# Unix seconds and durations, bounded so that NaN and infinities never reach a comparison.
 _UnixTime = Annotated[float, Meta(ge=0.0, le=1e11)]
+_Seconds = Annotated[float, Meta(ge=0.0, le=86400.0)]
 
 MemoryKindName = Literal["DRAM", "VRAM"]
 
@@ -92,11 +84,11 @@ class IncompatiblePeerError(HandshakeError):
 
 
 _Config: Any = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
+# Every tagged struct names its kind in the same field, so that any of them can share a union.
+_Tagged: Any = dict(tag_field="kind", **_Config)
 
 
-# --------------------------------------------------------------------------------------------------
-# Engine metadata
-
+# ---- engine metadata ----
 
 class RegionMeta(Struct, **_Config):
     """One registered memory region as it crosses the wire (mirrors `kvconnect.regions.Region`)."""
@@ -118,6 +110,19 @@ class RegionMeta(Struct, **_Config):
             raise ValueError("region extends past the 63-bit address range")
 
 
+class GroupCompat(Struct, **_Config):
+    """What two engines must agree on about one KV-cache group.
+
+    `label` is the engine's name for the group's kind, compared, never interpreted; `page_bytes` are
+    the block bytes of the group's regions in order; `layers` hashes which layers each region holds.
+    """
+
+    label: _Token
+    block_size: _BlockSize
+    page_bytes: Annotated[tuple[_Positive, ...], Meta(min_length=1, max_length=MAX_REGIONS)]
+    layers: _Digest
+
+
 class Compat(Struct, **_Config):
     """The compatibility fingerprint: fields that must be equal for two engines to exchange KV blocks."""
 
@@ -126,11 +131,11 @@ class Compat(Struct, **_Config):
     layout: _Token
     dtype: _Token
     block_size: _BlockSize
-    layout_fingerprint: _Fingerprint = ""
+    groups: Annotated[tuple[GroupCompat, ...], Meta(min_length=1, max_length=MAX_KV_GROUPS)]
 
 
 class EngineMetadata(Struct, **_Config):
-    """What a worker tells its peers about itself: identity, transport metadata and KV-cache regions."""
+    """What a worker tells its peers about itself: identity, transport metadata, regions and groups."""
 
     protocol_version: _Version = PROTOCOL_VERSION
     engine_id: _EngineId
@@ -140,31 +145,25 @@ class EngineMetadata(Struct, **_Config):
     world_size: _WorldSize
     transport: _Token
     transport_metadata: Annotated[bytes, Meta(max_length=MAX_TRANSPORT_METADATA_BYTES)] = b""
-    regions: Annotated[tuple[RegionMeta, ...], Meta(max_length=MAX_REGIONS)] = ()
+    regions: Annotated[tuple[RegionMeta, ...], Meta(min_length=1, max_length=MAX_REGIONS)]
+    # Region indices of each KV-cache group; a region shared by groups appears in each of them.
+    group_regions: Annotated[tuple[Annotated[tuple[_RegionIndex, ...], Meta(min_length=1)], ...],
+                             Meta(min_length=1, max_length=MAX_KV_GROUPS)]
     block_size: _BlockSize
     layout: _Token
     dtype: _Token
-    layout_fingerprint: _Fingerprint = ""
+    compat: Compat
 
     def __post_init__(self) -> None:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
-
-    def compat(self) -> Compat:
-        """The compatibility fingerprint these metadata imply."""
-        return Compat(
-            protocol_version=self.protocol_version,
-            transport=self.transport,
-            layout=self.layout,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            layout_fingerprint=self.layout_fingerprint,
-        )
+        if any(k >= len(self.regions) for g in self.group_regions for k in g):
+            raise ValueError(f"a group names a region index past the {len(self.regions)} regions")
+        if len(self.group_regions) != len(self.compat.groups):
+            raise ValueError("group_regions and compat.groups differ in length")
 
 
-# --------------------------------------------------------------------------------------------------
-# Transfer parameters
-
+# ---- transfer parameters ----
 
 class TransferParams(Struct, **_Config):
     """What a producer hands out for one request so that a consumer can pull its KV blocks."""
@@ -179,18 +178,14 @@ class TransferParams(Struct, **_Config):
         Meta(min_length=1, max_length=MAX_KV_GROUPS),
     ]
     num_tokens: _NonNegative
-    # Unix seconds after which the producer may free the blocks.
+    # Unix seconds after which the producer may free the blocks (advice: heartbeats extend it).
     lease_expiry: _UnixTime
     incarnation: _Incarnation
 
 
-# --------------------------------------------------------------------------------------------------
-# Side-channel requests: a metadata request, or a control message about requests' leases
+# ---- side-channel requests: a metadata request, or a control message about requests' leases ----
 
-# Every tagged struct names its kind in the same field, so that any of them can share a union.
-_Tagged: Any = dict(tag_field="kind", **_Config)
-
-_RequestIds = Annotated[tuple[_RequestId, ...], Meta(max_length=MAX_HEARTBEAT_IDS)]
+_RequestIds = Annotated[tuple[_RequestId, ...], Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
 class HandshakeRequest(Struct, tag="metadata", **_Tagged):
@@ -213,7 +208,7 @@ class Claim(_Notice, tag="claim"):
     """
 
     request_ids: _RequestIds
-    need_s: Annotated[float, Meta(ge=0.0, le=86400.0)]
+    need_s: _Seconds
     incarnation: _Incarnation
 
 
@@ -236,7 +231,6 @@ class Heartbeat(_Notice, tag="heartbeat"):
     request_ids: _RequestIds
 
 
-Notification = Union[Done, Abort, Heartbeat]
 ControlMessage = Union[Claim, Done, Abort, Heartbeat]
 RequestBody = Union[HandshakeRequest, Claim, Done, Abort, Heartbeat]
 
@@ -251,22 +245,20 @@ class RequestEnvelope(Struct, **_Config):
     mac: Annotated[bytes, Meta(max_length=64)] = b""
 
 
-# --------------------------------------------------------------------------------------------------
-# Side-channel replies
-
+# ---- side-channel replies ----
 
 class HandshakeReply(Struct, tag="reply", **_Tagged):
-    """A successful metadata answer: the compatibility fingerprint first, the metadata as an inner payload."""
+    """A metadata answer: the compatibility fingerprint first, the metadata as an inner payload."""
 
     compat: Compat
     payload: Annotated[bytes, Meta(max_length=MAX_METADATA_BYTES)]
 
 
 class ClaimReply(Struct, tag="claim_reply", **_Tagged):
-    """Per request: granted (with the unix time its lease now ends) or refused (with why)."""
+    """Per request: granted (for how many seconds from the claim's arrival) or refused (with why)."""
 
-    granted: Annotated[dict[_RequestId, _UnixTime], Meta(max_length=MAX_HEARTBEAT_IDS)]
-    refused: Annotated[dict[_RequestId, _Detail], Meta(max_length=MAX_HEARTBEAT_IDS)] = {}
+    granted_s: Annotated[dict[_RequestId, _Seconds], Meta(max_length=MAX_IDS_PER_MESSAGE)]
+    refused: Annotated[dict[_RequestId, _Detail], Meta(max_length=MAX_IDS_PER_MESSAGE)] = {}
     # The producer's own incarnation, so a consumer can tell a restart from a refusal.
     incarnation: _Incarnation
 
@@ -289,8 +281,11 @@ class HandshakeRejection(Struct, tag="rejection", **_Tagged):
     detail: _Detail = ""
 
 
-ControlReply = Union[ClaimReply, Ack]
 ReplyBody = Union[HandshakeReply, ClaimReply, Ack, HandshakeRejection]
+
+# The one answer type each request gets (a rejection aside).
+REPLY_TYPE: dict[type, type] = {HandshakeRequest: HandshakeReply, Claim: ClaimReply, Done: Ack, Abort: Ack,
+                                Heartbeat: Ack}
 
 
 class ReplyEnvelope(Struct, **_Config):
@@ -307,102 +302,56 @@ class _VersionProbe(Struct):
     protocol_version: _Version
 
 
-# --------------------------------------------------------------------------------------------------
-# Encoding and decoding
-
-_encoder = msgspec.msgpack.Encoder()
+# ---- codecs: one per message (or tagged union), each with its byte limit ----
 
 Buffer = Union[bytes, bytearray, memoryview]
-
-_request_envelope_decoder = msgspec.msgpack.Decoder(RequestEnvelope)
-_request_decoder = msgspec.msgpack.Decoder(RequestBody)
-_reply_envelope_decoder = msgspec.msgpack.Decoder(ReplyEnvelope)
-_reply_body_decoder = msgspec.msgpack.Decoder(ReplyBody)
-_metadata_decoder = msgspec.msgpack.Decoder(EngineMetadata)
-_transfer_params_decoder = msgspec.msgpack.Decoder(TransferParams)
-_notification_decoder = msgspec.msgpack.Decoder(Notification)
-_version_probe_decoder = msgspec.msgpack.Decoder(_VersionProbe)
+_DECODE_ERRORS = (msgspec.DecodeError, RecursionError, ValueError, TypeError, OverflowError)
+_encoder = msgspec.msgpack.Encoder()
 
 
-def _nbytes(data: Buffer) -> int:
-    return memoryview(data).nbytes
+class Codec:
+    """Encodes and decodes one message type within its byte limit; failures are WireError."""
+
+    def __init__(self, type_: Any, limit: int, what: str) -> None:
+        self.type, self.limit, self.what = type_, limit, what
+        self._decoder = msgspec.msgpack.Decoder(type_)
+
+    def encode(self, msg: Any) -> bytes:
+        """The message as msgpack; WireError when it does not fit its limit or cannot be encoded."""
+        try:
+            data = _encoder.encode(msg)
+        except (TypeError, OverflowError) as exc:
+            raise WireError(f"cannot encode {self.what}: {exc}") from None
+        if len(data) > self.limit:
+            raise WireError(f"{self.what} encodes to {len(data)} bytes, over its {self.limit}-byte limit")
+        return data
+
+    def decode(self, data: Buffer) -> Any:
+        """The message in `data`, checked against its size limit and schema."""
+        size = memoryview(data).nbytes
+        if size > self.limit:
+            raise WireError(f"{self.what} is {size} bytes, over its {self.limit}-byte limit")
+        try:
+            return self._decoder.decode(data)
+        except _DECODE_ERRORS as exc:
+            raise WireError(f"malformed {self.what}: {exc}") from None
 
 
-def _encode(msg: Struct, limit: int, what: str) -> bytes:
-    data = _encoder.encode(msg)
-    if len(data) > limit:
-        raise WireError(f"{what} encodes to {len(data)} bytes, over its {limit}-byte limit")
-    return data
+REQUEST_ENVELOPE = Codec(RequestEnvelope, MAX_REQUEST_BYTES, "side-channel request")
+REQUEST = Codec(RequestBody, MAX_REQUEST_BODY_BYTES, "request body")
+REPLY_ENVELOPE = Codec(ReplyEnvelope, MAX_REPLY_BYTES, "side-channel reply")
+REPLY = Codec(ReplyBody, MAX_REPLY_BODY_BYTES, "reply body")
+METADATA = Codec(EngineMetadata, MAX_METADATA_BYTES, "engine metadata")
+TRANSFER_PARAMS = Codec(TransferParams, MAX_TRANSFER_PARAMS_BYTES, "transfer parameters")
+_VERSION_PROBE = Codec(_VersionProbe, MAX_REPLY_BYTES, "message")
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: Buffer, limit: int, what: str) -> Any:
-    size = _nbytes(data)
-    if size > limit:
-        raise WireError(f"{what} is {size} bytes, over its {limit}-byte limit")
+def probe_protocol_version(data: Buffer) -> int | None:
+    """The `protocol_version` of a message we could not decode, or None if it has none."""
     try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, RecursionError, ValueError, TypeError, OverflowError) as exc:
-        raise WireError(f"malformed {what}: {exc}") from None
-
-
-def encode_request_envelope(env: RequestEnvelope) -> bytes:
-    """Encode a handshake request envelope."""
-    return _encode(env, MAX_REQUEST_BYTES, "side-channel request")
-
-
-def decode_request_envelope(data: Buffer) -> RequestEnvelope:
-    """Decode a handshake request envelope; raises WireError."""
-    return _decode(_request_envelope_decoder, data, MAX_REQUEST_BYTES, "side-channel request")
-
-
-def encode_request(req: HandshakeRequest | Claim | Done | Abort | Heartbeat) -> bytes:
-    """Encode the body of a side-channel request (a metadata request or a control message)."""
-    return _encode(req, MAX_REQUEST_BODY_BYTES, "request body")
-
-
-def decode_request(data: Buffer) -> HandshakeRequest | Claim | Done | Abort | Heartbeat:
-    """Decode the body of a side-channel request; raises WireError."""
-    return _decode(_request_decoder, data, MAX_REQUEST_BODY_BYTES, "request body")
-
-
-def encode_reply_envelope(env: ReplyEnvelope) -> bytes:
-    """Encode a handshake reply envelope."""
-    return _encode(env, MAX_REPLY_BYTES, "side-channel reply")
-
-
-def decode_reply_envelope(data: Buffer) -> ReplyEnvelope:
-    """Decode a handshake reply envelope; raises WireError."""
-    return _decode(_reply_envelope_decoder, data, MAX_REPLY_BYTES, "side-channel reply")
-
-
-def encode_reply_body(body: HandshakeReply | ClaimReply | Ack | HandshakeRejection) -> bytes:
-    """Encode a reply body (metadata, a control answer, or a rejection)."""
-    return _encode(body, MAX_REPLY_BYTES - 1 * KiB, "reply body")
-
-
-def decode_reply_body(data: Buffer) -> HandshakeReply | ClaimReply | Ack | HandshakeRejection:
-    """Decode a reply body into one of the ReplyBody structs; raises WireError."""
-    return _decode(_reply_body_decoder, data, MAX_REPLY_BYTES - 1 * KiB, "reply body")
-
-
-def encode_metadata(meta: EngineMetadata) -> bytes:
-    """Encode engine metadata (the inner payload of a reply)."""
-    return _encode(meta, MAX_METADATA_BYTES, "engine metadata")
-
-
-def decode_metadata(data: Buffer) -> EngineMetadata:
-    """Decode engine metadata; raises WireError."""
-    return _decode(_metadata_decoder, data, MAX_METADATA_BYTES, "engine metadata")
-
-
-def encode_transfer_params(params: TransferParams) -> bytes:
-    """Encode transfer parameters as msgpack."""
-    return _encode(params, MAX_TRANSFER_PARAMS_BYTES, "transfer parameters")
-
-
-def decode_transfer_params(data: Buffer) -> TransferParams:
-    """Decode msgpack transfer parameters; raises WireError."""
-    return _decode(_transfer_params_decoder, data, MAX_TRANSFER_PARAMS_BYTES, "transfer parameters")
+        return _VERSION_PROBE.decode(data).protocol_version
+    except WireError:
+        return None
 
 
 def transfer_params_to_builtins(params: TransferParams) -> dict[str, Any]:
@@ -414,72 +363,70 @@ def transfer_params_from_builtins(obj: object) -> TransferParams:
     """Validate transfer parameters that arrived as plain objects (e.g. parsed JSON); raises WireError."""
     try:
         return msgspec.convert(obj, TransferParams, strict=True)
-    except (msgspec.ValidationError, RecursionError, ValueError, TypeError, OverflowError) as exc:
+    except (msgspec.ValidationError, *_DECODE_ERRORS) as exc:
         raise WireError(f"malformed transfer parameters: {exc}") from None
 
 
-def encode_notification(note: Done | Abort | Heartbeat) -> bytes:
-    """Encode a notification (done, abort or heartbeat)."""
-    return _encode(note, MAX_NOTIFICATION_BYTES, "notification")
+def checked_params(params: object) -> TransferParams:
+    """Transfer parameters checked against the schema however they were built (struct constructors
+    do not check values: a struct built in Python gets the same checks as one read off the wire)."""
+    if isinstance(params, TransferParams):
+        return TRANSFER_PARAMS.decode(TRANSFER_PARAMS.encode(params))
+    if isinstance(params, dict):
+        return transfer_params_from_builtins(params)
+    raise WireError(f"transfer parameters must be TransferParams or a dict, got {type(params).__name__}")
 
 
-def decode_notification(data: Buffer) -> Done | Abort | Heartbeat:
-    """Decode a notification into Done, Abort or Heartbeat; raises WireError."""
-    return _decode(_notification_decoder, data, MAX_NOTIFICATION_BYTES, "notification")
+def metadata_reply(meta: EngineMetadata) -> HandshakeReply:
+    """The two-phase answer to a metadata request; WireError if `meta` would not decode on the peer."""
+    payload = METADATA.encode(meta)
+    # Struct constructors do not type-check; decoding our own payload finds a bug here, with a log
+    # line on this side, instead of as a puzzling "malformed" on every peer.
+    METADATA.decode(payload)
+    return HandshakeReply(compat=meta.compat, payload=payload)
 
 
-def probe_protocol_version(data: Buffer, limit: int = MAX_REPLY_BYTES) -> int | None:
-    """The `protocol_version` of a message we could not decode, or None if it has none."""
-    try:
-        return _decode(_version_probe_decoder, data, limit, "message").protocol_version
-    except WireError:
-        return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Authentication
-
-_REQUEST_MAC_DOMAIN = b"kvconnect handshake request\x00"
-_REPLY_MAC_DOMAIN = b"kvconnect handshake reply\x00"
-
-
-def new_nonce() -> bytes:
-    """A fresh random request nonce."""
-    return os.urandom(NONCE_BYTES)
-
-
-def request_mac(secret: bytes, protocol_version: int, nonce: bytes, timestamp: float, body: bytes) -> bytes:
-    """HMAC-SHA256 of a request over protocol version, nonce, timestamp and body."""
-    # Lengths are framed explicitly so that no two (nonce, body) splits share a MAC input.
-    head = struct.pack(">IHd", protocol_version, len(nonce), timestamp)
-    return hmac.new(secret, _REQUEST_MAC_DOMAIN + head + nonce + body, hashlib.sha256).digest()
-
-
-def reply_mac(secret: bytes, protocol_version: int, request_nonce: bytes, body: bytes) -> bytes:
-    """HMAC-SHA256 of a reply body, bound to the nonce of the request it answers."""
-    head = struct.pack(">IH", protocol_version, len(request_nonce))
-    return hmac.new(secret, _REPLY_MAC_DOMAIN + head + request_nonce + body, hashlib.sha256).digest()
-
-
-# --------------------------------------------------------------------------------------------------
-# Compatibility
-
+# ---- compatibility ----
 
 def check_compat(expected: Compat, got: Compat) -> None:
     """Raise IncompatiblePeerError (a HandshakeError) naming every field where `got` differs."""
-    differences = tuple(
-        (name, getattr(expected, name), getattr(got, name))
-        for name in Compat.__struct_fields__
-        if getattr(expected, name) != getattr(got, name)
-    )
+    differences = [(name, getattr(expected, name), getattr(got, name))
+                   for name in Compat.__struct_fields__
+                   if name != "groups" and getattr(expected, name) != getattr(got, name)]
+    differences += _group_differences(expected.groups, got.groups)
     if differences:
         listed = "; ".join(f"{name}: ours {ours!r}, peer's {theirs!r}" for name, ours, theirs in differences)
         fields = ", ".join(name for name, _, _ in differences)
-        raise IncompatiblePeerError(f"incompatible peer ({fields} differ): {listed}", differences)
+        raise IncompatiblePeerError(f"incompatible peer ({fields} differ): {listed}", tuple(differences))
 
 
-# --------------------------------------------------------------------------------------------------
-# Identity and regions
+def _group_differences(ours: tuple[GroupCompat, ...], theirs: tuple[GroupCompat, ...]) -> list:
+    if len(ours) != len(theirs):
+        return [("group count", len(ours), len(theirs))]
+    out: list[tuple[str, object, object]] = []
+    for g, (a, b) in enumerate(zip(ours, theirs)):
+        where = f"group {g} ({a.label})"
+        if a.label != b.label:
+            out.append((f"group {g} kind", a.label, b.label))
+        if a.block_size != b.block_size:
+            out.append((f"{where} block size", a.block_size, b.block_size))
+        if len(a.page_bytes) != len(b.page_bytes):
+            out.append((f"{where} region count", len(a.page_bytes), len(b.page_bytes)))
+        elif a.page_bytes != b.page_bytes:
+            k = next(i for i, (x, y) in enumerate(zip(a.page_bytes, b.page_bytes)) if x != y)
+            out.append((f"{where} page bytes of region {k}", a.page_bytes[k], b.page_bytes[k]))
+        if a.layers != b.layers and len(a.page_bytes) == len(b.page_bytes):
+            out.append((f"{where} layer-to-group map", a.layers, b.layers))
+    return out
+
+
+def layers_digest(names: Sequence[Sequence[str]]) -> str:
+    """A stable digest of the layer names of each region of a group (the layer-to-group map)."""
+    text = "\x1e".join("\x1f".join(sorted(n)) for n in names)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# ---- identity and regions ----
 
 _incarnation: tuple[int, str] | None = None
 
@@ -491,102 +438,3 @@ def process_incarnation() -> str:
     if _incarnation is None or _incarnation[0] != pid:
         _incarnation = (pid, uuid.uuid4().hex)
     return _incarnation[1]
-
-
-def regions_to_wire(region_set: RegionSet) -> tuple[RegionMeta, ...]:
-    """The wire form of a RegionSet."""
-    return tuple(
-        RegionMeta(
-            names=tuple(str(n) for n in r.names),
-            base_addr=int(r.base_addr),
-            num_blocks=int(r.num_blocks),
-            block_bytes=int(r.block_bytes),
-            block_stride=int(r.block_stride),
-            device_id=int(r.device_id),
-            memory_kind=r.memory_kind.value if isinstance(r.memory_kind, Enum) else str(r.memory_kind),
-        )
-        for r in region_set.regions
-    )
-
-
-def regions_from_wire(regions: Sequence[RegionMeta]) -> RegionSet:
-    """Rebuild a RegionSet from decoded wire regions; raises WireError if they do not make sense."""
-    # Imported here: the handshake path must not pay for torch/numpy, which kvconnect.regions pulls in.
-    from kvconnect.regions import MemoryKind, Region, RegionSet
-
-    try:
-        return RegionSet(
-            [
-                Region(
-                    names=tuple(r.names),
-                    base_addr=r.base_addr,
-                    num_blocks=r.num_blocks,
-                    block_bytes=r.block_bytes,
-                    block_stride=r.block_stride,
-                    device_id=r.device_id,
-                    memory_kind=MemoryKind(r.memory_kind),
-                )
-                for r in regions
-            ]
-        )
-    except (LayoutError, ValueError, OverflowError) as exc:
-        raise WireError(f"peer regions are invalid: {exc}") from None
-
-
-__all__ = [
-    "MAC_BYTES",
-    "MAX_HEARTBEAT_IDS",
-    "MAX_METADATA_BYTES",
-    "MAX_NOTIFICATION_BYTES",
-    "MAX_REPLY_BYTES",
-    "MAX_REQUEST_BYTES",
-    "MAX_TRANSFER_PARAMS_BYTES",
-    "NONCE_BYTES",
-    "PROTOCOL_VERSION",
-    "Abort",
-    "Ack",
-    "Claim",
-    "ClaimReply",
-    "Compat",
-    "ControlMessage",
-    "ControlReply",
-    "Done",
-    "EngineMetadata",
-    "HandshakeRejection",
-    "HandshakeReply",
-    "HandshakeRequest",
-    "Heartbeat",
-    "IncompatiblePeerError",
-    "Notification",
-    "RegionMeta",
-    "ReplyBody",
-    "ReplyEnvelope",
-    "RequestBody",
-    "RequestEnvelope",
-    "TransferParams",
-    "WireError",
-    "check_compat",
-    "decode_metadata",
-    "decode_notification",
-    "decode_reply_body",
-    "decode_reply_envelope",
-    "decode_request",
-    "decode_request_envelope",
-    "decode_transfer_params",
-    "encode_metadata",
-    "encode_notification",
-    "encode_reply_body",
-    "encode_reply_envelope",
-    "encode_request",
-    "encode_request_envelope",
-    "encode_transfer_params",
-    "new_nonce",
-    "probe_protocol_version",
-    "process_incarnation",
-    "regions_from_wire",
-    "regions_to_wire",
-    "reply_mac",
-    "request_mac",
-    "transfer_params_from_builtins",
-    "transfer_params_to_builtins",
-]

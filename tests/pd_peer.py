@@ -34,7 +34,7 @@ import msgspec
 import torch
 
 from kvconnect import wire
-from kvconnect.connector import ConnectorConfig, KVConnector
+from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
 from kvconnect.layout import MambaPage
 
 MAMBA = MambaPage([(3, 64), (4, 8, 16)], [torch.float16, torch.float32], page_size_bytes=4096)
@@ -83,7 +83,7 @@ class Topology:
 # ---- caches ----
 
 def make_caches(kind: str, num_blocks: int, seed: int,
-                device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], list[list[int]] | None]:
+                device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], list[KVGroup] | None]:
     """KV caches of a model family filled with seeded random bytes on `device`, and their KV groups."""
     # Bytes come from a CPU generator whatever the device, so every device holds the same bytes.
     g = torch.Generator().manual_seed(seed)
@@ -104,7 +104,8 @@ def make_caches(kind: str, num_blocks: int, seed: int,
                   for i in (0, 2)}
         caches.update({f"layers.{i}.mamba": rand(num_blocks, 4096).view(torch.int8).view(num_blocks, 1, 1, 4096)
                        for i in (1, 3)})
-        groups = [[0, 1], [2, 3]]
+        groups = [KVGroup(layers=("layers.0.attn", "layers.2.attn"), label="attention"),
+                  KVGroup(layers=("layers.1.mamba", "layers.3.mamba"), label="mamba")]
     elif kind == "cross":  # one cross-layer tensor: blocks outermost, 4 layers inside each block
         caches = {"all_layers":
                   rand(num_blocks, 4 * 2 * 16 * 64 * 2).view(torch.float16).view(num_blocks, 4, 2, 16, 64)}
@@ -273,7 +274,7 @@ def serve(channel: Channel, setup: Setup) -> None:
     caches, groups = make_caches(setup.kind, setup.num_blocks, setup.seed, setup.device)
     connector = KVConnector(ConnectorConfig(
         role="producer", engine_id=setup.engine_id, host=setup.host, port=setup.port, lease_s=setup.lease_s,
-        secret=setup.secret, group_regions=groups, backend=setup.backend))
+        secret=setup.secret, groups=groups, backend=setup.backend))
     try:
         connector.register_kv_caches(caches)
         host, port = connector.side_channel

@@ -95,11 +95,11 @@ def published_ports(config: dict) -> dict[str, list[dict]]:
 
 
 def adapter_keys(name: str) -> set[str]:
-    """Keys of a dict literal in the vLLM adapter, read without importing vLLM (not in the test venv)."""
-    tree = ast.parse((ROOT / "kvconnect" / "integrations" / "vllm.py").read_text())
+    """Fields of an extra-config struct of the vLLM adapter, read without importing vLLM (not in the test venv)."""
+    tree = ast.parse((ROOT / "kvconnect" / "integrations" / "vllm" / "config.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return {ast.literal_eval(k) for k in node.value.keys}
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
     raise AssertionError(f"{name} not found in the vLLM adapter")
 
 
@@ -225,7 +225,7 @@ def check_wiring(config: dict, connector: str) -> None:
     for name, role in ENGINES.items():
         kv = kv_transfer_config(services[name])
         assert kv["kv_connector"] == connector and kv["kv_role"] == role
-        assert set(kv.get("kv_connector_extra_config", {})) <= adapter_keys("_PD_KEYS")
+        assert set(kv.get("kv_connector_extra_config", {})) <= adapter_keys("PDConfig")
         assert services[name]["environment"]["VLLM_CPU_KVCACHE_SPACE"]
 
 

@@ -24,7 +24,7 @@ def _wait(conn: KVConnector, rid: str, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         fin = conn.get_finished()
-        if rid in fin.recving:
+        if rid in fin.loaded or rid in fin.failed:
             return fin
         time.sleep(0.002)
     raise AssertionError(f"{rid} never finished")
@@ -47,7 +47,7 @@ def test_a_pull_a_failure_and_a_lease_show_in_the_metrics() -> None:
 
         params = prefill.request_finished("m-1", [[3, 4, 5]], num_tokens=48)
         assert metrics.value("kvconnect_leases_held") == held + 1
-        decode.start_load("m-1", [[0, 1, 2]], params)
+        decode.start_load(params, [[0, 1, 2]])
         assert not _wait(decode, "m-1").failed
         assert torch.equal(local["l1"][:3], caches["l1"][3:6])
         block = 2 * 16 * 64 * 2
@@ -67,7 +67,7 @@ def test_a_pull_a_failure_and_a_lease_show_in_the_metrics() -> None:
         failed = metrics.value("kvconnect_failures_total", {"stage": "handshake"})
         bad = {"engine_id": "nobody", "host": "127.0.0.1", "port": _free_port(), "request_id": "m-2",
                "block_ids": [[1]], "num_tokens": 16, "lease_expiry": time.time() + 30, "incarnation": "x"}
-        decode.start_load("m-2", [[7]], bad)
+        decode.start_load(bad, [[7]])
         assert "m-2" in _wait(decode, "m-2").failed
         assert metrics.value("kvconnect_failures_total", {"stage": "handshake"}) == failed + 1
     finally:

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.connector import ConnectorConfig, Finished, KVConnector, make_transport
-from kvconnect.transport.faulty import FaultyTransport
+from kvconnect.connector import ConnectorConfig, Finished, KVConnector
+from kvconnect.faults import FaultyTransport
+from kvconnect.transport import make_transport
 from pd_peer import Topology, make_caches
 
 BACKENDS = ["nixl", "mooncake"]
@@ -56,7 +57,7 @@ def consumers(backend):
         caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED, topo.consumer_device)
         cfg.setdefault("backend", backend)
         c = KVConnector(ConnectorConfig(role="consumer", engine_id="decode-0", host=topo.consumer_host,
-                                        group_regions=groups, **cfg), transport=transport)
+                                        groups=groups, **cfg), transport=transport)
         c.register_kv_caches(caches)
         made.append(c)
         return c, caches
@@ -67,16 +68,16 @@ def consumers(backend):
 
 
 def wait_for(conn: KVConnector, request_ids, timeout: float = 30.0) -> Finished:
-    """Collect get_finished() until every request id has ended (finished or failed), within `timeout`."""
+    """Collect get_finished() until every load has ended (finished or failed), within `timeout`."""
     out = Finished()
     pending = set(request_ids)
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         fin = conn.get_finished()
-        out.recving += fin.recving
+        out.loaded += fin.loaded
         out.failed.update(fin.failed)
         out.invalid_block_ids |= fin.invalid_block_ids
-        pending -= set(fin.recving)
+        pending -= set(fin.loaded) | set(fin.failed)
         time.sleep(0.002)
     assert not pending, f"requests never reported: {sorted(pending)}"
     return out
@@ -94,7 +95,7 @@ def byte_rows(caches: dict[str, torch.Tensor], conn: KVConnector) -> list[torch.
 def assert_pulled(conn, local_caches, before, producer, pulls) -> None:
     """Pulled blocks equal the producer's, and every block not pulled is unchanged."""
     remote_caches, _ = make_caches(producer.kind, producer.num_blocks, producer.seed)
-    groups = conn.config.group_regions or [list(range(len(conn.regions)))]
+    groups = conn.group_regions
     got, want, old = byte_rows(local_caches, conn), byte_rows(remote_caches, conn), before
     touched = [set() for _ in conn.regions]
     for local_groups, remote_groups in pulls:
@@ -129,7 +130,7 @@ def test_random_block_tables_arrive_byte_exact_and_nothing_else_changes(kind, pr
         else:
             local = [np.arange(i * 9, i * 9 + 9) * 2 + 1 for _ in range(n_groups)]
         params = producer.hold(f"req-{i}", remote, tokens=9 * 16 - 5)  # a partial last block
-        conn.start_load(f"req-{i}", local, params)
+        conn.start_load(params, local)
         pulls.append((local, remote))
         res = wait_for(conn, [f"req-{i}"])
         assert not res.failed, res.failed
@@ -144,7 +145,7 @@ def test_a_prefix_held_by_the_consumer_is_not_pulled_again(producers, consumers)
     remote = [np.array([5, 9, 2, 17, 30, 11])]
     params = producer.hold("req-prefix", remote, tokens=6 * 16)
     local_suffix = [np.array([20, 21])]  # the consumer already holds the first four blocks' worth
-    conn.start_load("req-prefix", local_suffix, params)
+    conn.start_load(params, local_suffix)
     assert not wait_for(conn, ["req-prefix"]).failed
     assert_pulled(conn, caches, before, producer, [(local_suffix, [remote[0][-2:]])])
     assert producer.held_blocks() == 0
@@ -161,7 +162,7 @@ def test_thirty_two_concurrent_requests_all_arrive(producers, consumers) -> None
         remote, local = [remote_all[i * 8:(i + 1) * 8]], [local_all[i * 8:(i + 1) * 8]]
         params = producer.hold(f"c-{i}", remote, tokens=8 * 16)
         pulls.append((local, remote))
-        conn.start_load(f"c-{i}", local, params)
+        conn.start_load(params, local)
     res = wait_for(conn, [f"c-{i}" for i in range(32)])
     assert not res.failed, res.failed
     assert_pulled(conn, caches, before, producer, pulls)
@@ -192,7 +193,7 @@ def test_producer_killed_mid_transfer_fails_the_load_within_its_deadline(produce
     transport = _PostSignal(real_transport(backend))
     conn, _ = consumers("big", 6144, transport=transport, load_timeout_s=8.0)
     params = producer.hold("doomed", [np.arange(6144)], tokens=6144 * 16)
-    conn.start_load("doomed", [np.arange(6144)], params)
+    conn.start_load(params, [np.arange(6144)])
     deadline = time.monotonic() + 20
     while not transport.posted and time.monotonic() < deadline:
         time.sleep(0.0005)
@@ -213,7 +214,7 @@ def test_lease_expires_without_heartbeats_and_a_late_read_is_refused(producers, 
     params = producer.hold("late", [np.array([1, 2, 3])], tokens=48)
     assert producer.held_blocks(wait_s=5.0) == 0  # expired: no consumer heartbeated for it
     assert ("late", "expired") in producer.call("releases")
-    conn.start_load("late", [np.array([4, 5, 6])], params)
+    conn.start_load(params, [np.array([4, 5, 6])])
     res = wait_for(conn, ["late"])
     assert "lease expired" in res.failed["late"]
     assert res.invalid_block_ids == {4, 5, 6}
@@ -227,7 +228,7 @@ def test_heartbeats_keep_a_slow_pull_alive_past_the_lease(producers, consumers, 
     conn, caches = consumers("dense", 32, transport=transport, heartbeat_s=0.1)
     before = snapshot(caches, conn)
     params = producer.hold("slow", [np.array([7, 8])], tokens=32)
-    conn.start_load("slow", [np.array([0, 1])], params)
+    conn.start_load(params, [np.array([0, 1])])
     assert not wait_for(conn, ["slow"]).failed
     assert_pulled(conn, caches, before, producer, [([np.array([0, 1])], [np.array([7, 8])])])
     assert ("slow", "done") in producer.call("releases")
@@ -239,7 +240,7 @@ def test_abort_on_the_producer_releases_blocks_and_refuses_the_read(producers, c
     params = producer.hold("gone", [np.array([3, 4])], tokens=32)
     assert producer.call("abort", "gone") is True
     assert producer.call("abort", "gone") is False  # released exactly once
-    conn.start_load("gone", [np.array([0, 1])], params)
+    conn.start_load(params, [np.array([0, 1])])
     assert "lease aborted" in wait_for(conn, ["gone"]).failed["gone"]
     assert producer.call("releases").count(("gone", "aborted")) == 1
     assert producer.held_blocks() == 0
@@ -250,7 +251,7 @@ def test_abort_on_the_consumer_reports_failure_and_frees_the_producer(producers,
     producer = producers("dense", 32, PRODUCER_SEED)
     conn, _ = consumers("dense", 32, transport=FaultyTransport(real_transport(backend), delay_s=30.0))
     params = producer.hold("cancel", [np.array([3, 4])], tokens=32)
-    conn.start_load("cancel", [np.array([0, 1])], params)
+    conn.start_load(params, [np.array([0, 1])])
     time.sleep(0.5)
     conn.abort("cancel")
     res = wait_for(conn, ["cancel"], timeout=5.0)
@@ -265,7 +266,7 @@ def test_remote_block_ids_out_of_range_are_rejected_before_posting(producers, co
     conn, _ = consumers("dense", 64, transport=transport)
     params = producer.hold("bad", [np.array([1, 2])], tokens=32)
     params["block_ids"] = [[1, 40]]  # past the producer's 32 blocks, as a garbled router might send
-    conn.start_load("bad", [np.array([0, 1])], params)
+    conn.start_load(params, [np.array([0, 1])])
     res = wait_for(conn, ["bad"])
     assert "block id 40" in res.failed["bad"] and not transport.posted
     assert producer.held_blocks() == 0  # the abort notice released the real request
@@ -280,7 +281,7 @@ def test_a_dead_side_channel_fails_the_load_within_the_handshake_deadline(consum
     params = {"engine_id": "prefill-0", "host": "127.0.0.1", "port": dead_port, "request_id": "x",
               "block_ids": [[1]], "num_tokens": 16, "lease_expiry": time.time() + 30, "incarnation": "abc"}
     t0 = time.monotonic()
-    conn.start_load("x", [[0]], params)
+    conn.start_load(params, [[0]])
     res = wait_for(conn, ["x"], timeout=5.0)
     assert "handshake" in res.failed["x"] and time.monotonic() - t0 < 1.0 + 3.0
 
@@ -293,16 +294,16 @@ def test_a_restarted_producer_is_re_handshaken_and_old_params_fail(producers, co
     conn, caches = consumers("dense", 32)
     p1 = first.hold("a", [np.array([1])], tokens=16)
     stale = first.hold("stale", [np.array([2])], tokens=16)
-    conn.start_load("a", [[0]], p1)
+    conn.start_load(p1, [[0]])
     assert not wait_for(conn, ["a"]).failed
     first.kill()
     second = producers("dense", 32, PRODUCER_SEED + 1, port=port)
     assert second.incarnation != first.incarnation
     before = snapshot(caches, conn)
-    conn.start_load("stale", [[3]], stale)
+    conn.start_load(stale, [[3]])
     assert "restarted" in wait_for(conn, ["stale"]).failed["stale"]
     p2 = second.hold("b", [np.array([5, 6])], tokens=32)
-    conn.start_load("b", [[8, 9]], p2)
+    conn.start_load(p2, [[8, 9]])
     assert not wait_for(conn, ["b"]).failed
     assert_pulled(conn, caches, before, second, [([[8, 9]], [[5, 6]])])
     assert second.held_blocks() == 0
@@ -313,7 +314,7 @@ def test_a_consumer_on_another_backend_fails_at_handshake_naming_the_transport(p
     producer = producers("dense", 16, PRODUCER_SEED)
     conn, _ = consumers("dense", 16, backend=other)
     params = producer.hold("mixed", [np.array([1])], tokens=16)
-    conn.start_load("mixed", [[0]], params)
+    conn.start_load(params, [[0]])
     reason = wait_for(conn, ["mixed"]).failed["mixed"]
     assert "handshake" in reason and "transport" in reason and backend in reason and other in reason
     assert producer.held_blocks() == 0

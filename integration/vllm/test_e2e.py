@@ -147,17 +147,24 @@ def test_plugin_registration_idempotent():
         assert KVConnectorFactory.get_connector_class_by_name(n).__name__ == n
 
 
-def test_extra_config_validated(tiny_llama):
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"lease": 3}, "unknown field `lease`"),
+    ({"lease_s": "x"}, "lease_s"),
+    ({"lease_s": 0}, "lease_s"),
+    ({"load_deadline_s": 5}, "renamed 'load_timeout_s'"),
+    ({"transport_options": {"backend": ["UCX"]}}, "backend"),
+    ({"transport_options": {"num_threads": "4"}}, "num_threads"),
+    ({"host": "0.0.0.0"}, "wildcard"),
+])
+def test_extra_config_is_refused_naming_the_key(extra, match):
     from vllm.config import KVTransferConfig
 
-    from kvconnect.integrations.vllm import _extra, _PD_KEYS
+    from kvconnect.integrations.vllm.config import PDConfig, read_extra
 
     class C:
         kv_transfer_config = KVTransferConfig(kv_connector="KVConnectNixl", kv_role="kv_both",
-                                              kv_connector_extra_config={"lease": 3})
+                                              kv_connector_extra_config=extra)
 
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
-        _extra(C, _PD_KEYS, "KVConnectNixl")
-    C.kv_transfer_config.kv_connector_extra_config = {"lease_s": "x"}
-    with pytest.raises(ValueError, match="lease_s"):
-        _extra(C, _PD_KEYS, "KVConnectNixl")
+    with pytest.raises(ValueError, match=match) as info:
+        read_extra(C, PDConfig, "KVConnectNixl", "nixl")
+    assert "KVConnectNixl" in str(info.value)

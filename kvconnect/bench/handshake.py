@@ -35,7 +35,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 def _measure(count: int, timeout: float, secret: bytes | None) -> list[float]:
     from kvconnect import wire
-    from kvconnect.handshake import HandshakeServer, fetch_metadata
+    from kvconnect.sidechannel import SideChannelServer, fetch_metadata, metadata_handler
 
     regions = tuple(
         wire.RegionMeta(
@@ -49,22 +49,16 @@ def _measure(count: int, timeout: float, secret: bytes | None) -> list[float]:
         )
         for i in range(_NUM_REGIONS)
     )
+    compat = wire.Compat(transport="bench", layout="LBHNC", dtype="bfloat16", block_size=16, groups=(
+        wire.GroupCompat(label="attention", block_size=16, page_bytes=tuple(r.block_bytes for r in regions),
+                         layers=wire.layers_digest([r.names for r in regions])),))
     meta = wire.EngineMetadata(
-        engine_id="bench-engine",
-        incarnation=wire.process_incarnation(),
-        rank=0,
-        world_size=1,
-        transport="bench",
-        transport_metadata=bytes(4096),
-        regions=regions,
-        block_size=16,
-        layout="LBHNC",
-        dtype="bfloat16",
-        layout_fingerprint="0" * 64,
-    )
-    expect = meta.compat()
+        engine_id="bench-engine", incarnation=wire.process_incarnation(), rank=0, world_size=1, transport="bench",
+        transport_metadata=bytes(4096), regions=regions, group_regions=(tuple(range(len(regions))),), block_size=16,
+        layout="LBHNC", dtype="bfloat16", compat=compat)
+    expect = meta.compat
     samples: list[float] = []
-    with HandshakeServer(lambda rank: meta, secret=secret) as server:
+    with SideChannelServer(metadata_handler(lambda rank: meta), secret=secret) as server:
         for i in range(_WARMUP + count):
             t0 = time.perf_counter()
             fetch_metadata("127.0.0.1", server.port, timeout=timeout, secret=secret, expect=expect)

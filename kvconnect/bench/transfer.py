@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[str, Any]:
     """One run at `tokens` tokens per request: kvconnect, raw backend and memcpy figures."""
-    from kvconnect.bench.pull import PullSpec, memcpy_gbps, progress_bar, run_pull
+    from kvconnect.workload.pull import PullSpec, memcpy_gbps, progress_bar, run_pull
 
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=True, seed=args.seed,

@@ -126,21 +126,30 @@ class BlockMover:
         if self.is_cuda:
             self._check_usable()
             self._store_cuda(block_ids, slots, after, timeout)
-            return
+        else:
+            self._host_copy(block_ids, slots, to_pool=True)
+
+    def _host_copy(self, block_ids: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
+        """Host copies between cache rows and pool slots: one call per run of slots, or per staging chunk."""
         ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
         pos, first, count = slot_runs(slots)
         if pos.size <= self.max_runs:
             for rows, pool in zip(self.rows, self.pool):
                 for p, a, n in zip(pos.tolist(), first.tolist(), count.tolist()):
-                    torch.index_select(rows, 0, ids[p:p + n], out=pool[a:a + n])
+                    if to_pool:
+                        torch.index_select(rows, 0, ids[p:p + n], out=pool[a:a + n])
+                    else:
+                        rows.index_copy_(0, ids[p:p + n], pool[a:a + n])
             return
         slot_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        src_ids, dst_ids = (ids, slot_t) if to_pool else (slot_t, ids)
         for rows, pool, nbytes in zip(self.rows, self.pool, self.block_bytes):
+            src, dst = (rows, pool) if to_pool else (pool, rows)
             chunk = max(1, self.stage_bytes // nbytes)
             stage = torch.empty((min(chunk, ids.numel()), rows.shape[1]), dtype=rows.dtype)
             for c in range(0, ids.numel(), chunk):
-                got = torch.index_select(rows, 0, ids[c:c + chunk], out=stage[: min(chunk, ids.numel() - c)])
-                pool.index_copy_(0, slot_t[c:c + chunk], got)
+                got = torch.index_select(src, 0, src_ids[c:c + chunk], out=stage[: min(chunk, ids.numel() - c)])
+                dst.index_copy_(0, dst_ids[c:c + chunk], got)
 
     def _check_usable(self) -> None:
         if self.broken:
@@ -196,21 +205,8 @@ class BlockMover:
         if self.is_cuda:
             self._check_usable()
             self._load_cuda(slots, block_ids, after, timeout)
-            return
-        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
-        pos, first, count = slot_runs(slots)
-        if pos.size <= self.max_runs:
-            for rows, pool in zip(self.rows, self.pool):
-                for p, a, n in zip(pos.tolist(), first.tolist(), count.tolist()):
-                    rows.index_copy_(0, ids[p:p + n], pool[a:a + n])
-            return
-        slot_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
-        for rows, pool, nbytes in zip(self.rows, self.pool, self.block_bytes):
-            chunk = max(1, self.stage_bytes // nbytes)
-            stage = torch.empty((min(chunk, ids.numel()), rows.shape[1]), dtype=rows.dtype)
-            for c in range(0, ids.numel(), chunk):
-                got = torch.index_select(pool, 0, slot_t[c:c + chunk], out=stage[: min(chunk, ids.numel() - c)])
-                rows.index_copy_(0, ids[c:c + chunk], got)
+        else:
+            self._host_copy(block_ids, slots, to_pool=False)
 
     def _load_cuda(self, slots: np.ndarray, block_ids: np.ndarray, after, timeout: float) -> None:
         pos, first, count = slot_runs(slots)

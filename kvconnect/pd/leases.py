@@ -80,7 +80,10 @@ class LeaseTable:
         return lease
 
     def claim(self, request_ids: Iterable[str], need_s: float) -> tuple[dict[str, float], dict[str, str]]:
-        """Pin live leases for a read lasting up to `need_s`; returns (granted: expiry, refused: reason)."""
+        """Pin live leases for a read lasting up to `need_s` (at most `max_claim_s`).
+
+        Returns (granted: seconds from now the lease is pinned for, refused: reason).
+        """
         granted: dict[str, float] = {}
         refused: dict[str, str] = {}
         now = self._clock()
@@ -94,7 +97,7 @@ class LeaseTable:
                     refused[rid] = f"lease {ended[0].value}" if ended else "unknown request"
                     continue
                 lease.expires_at = max(lease.expires_at, until)
-                granted[rid] = lease.expires_at
+                granted[rid] = lease.expires_at - now
         return granted, refused
 
     def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
@@ -126,18 +129,6 @@ class LeaseTable:
             self._expire_locked(self._clock())
             out, self._released = self._released, []
             return out
-
-    def expiry_of(self, request_id: str) -> float | None:
-        """When a live lease expires (clock units), or None."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            return None if lease is None else lease.expires_at
-
-    @property
-    def held_requests(self) -> int:
-        """How many leases are live."""
-        with self._lock:
-            return len(self._leases)
 
     @property
     def held_blocks(self) -> int:

@@ -1,6 +1,6 @@
 """Producer (prefill) side of the P/D pull protocol: hold blocks under leases and answer consumers.
 
-The producer's side channel serves its metadata (the handshake) and the consumer's control messages:
+The producer's side channel serves its metadata (the handshake) and the consumers' control messages:
 a claim pins live leases for the read that follows (a claim for an expired or released request is
 refused, so no read is ever served from blocks the engine has reused), heartbeats extend leases, done
 and abort release them. Released blocks are reported once through `poll()`.
@@ -13,9 +13,10 @@ import time
 from typing import Callable, Sequence
 
 from kvconnect import metrics, wire
-from kvconnect.handshake import HandshakeServer
+from kvconnect.errors import BlockRangeError
 from kvconnect.pd.leases import LeaseTable, Release, ReleaseReason
 from kvconnect.regions import RegionSet
+from kvconnect.sidechannel import Refusal, SideChannelServer
 
 log = logging.getLogger(__name__)
 
@@ -23,42 +24,31 @@ log = logging.getLogger(__name__)
 class Producer:
     """Holds finished prefills' blocks for consumers to pull."""
 
-    def __init__(
-        self,
-        *,
-        metadata: wire.EngineMetadata,
-        regions: RegionSet,
-        group_regions: Sequence[Sequence[int]] | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        secret: bytes | str | None = None,
-        allow_wildcard: bool = False,
-        lease_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, *, metadata: wire.EngineMetadata, regions: RegionSet, host: str = "127.0.0.1",
+                 port: int = 0, advertise_host: str | None = None, secret: bytes | str | None = None,
+                 allow_wildcard: bool = False, lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.metadata = metadata
         self.regions = regions
-        self.group_regions = [list(g) for g in (group_regions or [range(len(regions))])]
+        self.group_regions = [list(g) for g in metadata.group_regions]
         self.leases = LeaseTable(lease_s=lease_s, clock=clock, on_change=self._lease_changed)
         self._clock = clock
-        self.server = HandshakeServer(self._provide, host=host, port=port, secret=secret,
-                                      allow_wildcard=allow_wildcard, control=self._on_control)
+        self.server = SideChannelServer(self._handle, host=host, port=port, secret=secret,
+                                        allow_wildcard=allow_wildcard)
         self.host = advertise_host or host
         self.port = self.server.port
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> wire.TransferParams:
         """Keep a finished request's blocks (one id list per KV group) under a lease; returns its transfer params."""
         if len(block_ids) != len(self.group_regions):
-            raise ValueError(f"{len(block_ids)} block-id groups given, producer has {len(self.group_regions)} KV groups")
+            raise BlockRangeError(f"{len(block_ids)} block-id groups given, producer has "
+                                  f"{len(self.group_regions)} KV groups")
         groups = [self.regions.validate(ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
         lease = self.leases.hold(request_id, groups, num_tokens)
         expiry_unix = time.time() + (lease.expires_at - self._clock())
         return wire.TransferParams(
             engine_id=self.metadata.engine_id, host=self.host, port=self.port, request_id=request_id,
             block_ids=[g.tolist() for g in groups], num_tokens=int(num_tokens), lease_expiry=expiry_unix,
-            incarnation=self.metadata.incarnation,
-        )
+            incarnation=self.metadata.incarnation)
 
     def abort(self, request_id: str) -> bool:
         """Release a request's blocks now (the engine gave up on it); False if it held none."""
@@ -72,39 +62,43 @@ class Producer:
         """Stop answering consumers. Held leases stay in the table for the engine to drain."""
         self.server.close()
 
+    @property
+    def held_blocks(self) -> int:
+        """Blocks live leases hold, all groups counted."""
+        return self.leases.held_blocks
+
     def _lease_changed(self, delta: int, release: Release | None) -> None:
         metrics.leases_held.inc(delta)
         if release is None:
             return
         metrics.leases_released.labels(release.reason.value).inc()
         if release.reason is ReleaseReason.EXPIRED:
-            log.warning("kvconnect lease expired: request=%s peer=- stage=lease reason=no done, abort or "
+            log.warning("kvconnect lease expired: request=%s peer=- stage=lease reason=no claim, done, abort or "
                         "heartbeat within %g s", release.request_id, self.leases.lease_s)
 
-    def _provide(self, rank: int) -> wire.EngineMetadata | None:
-        return self.metadata if rank == self.metadata.rank else None
+    def _handle(self, msg: wire.RequestBody) -> wire.ReplyBody:
+        """Answer one side-channel request; runs on the side-channel thread."""
+        mine = self.metadata.incarnation
+        match msg:
+            case wire.HandshakeRequest(rank=rank) if rank == self.metadata.rank:
+                return wire.metadata_reply(self.metadata)
+            case wire.HandshakeRequest(rank=rank):
+                raise Refusal("unknown_rank", f"no metadata for rank {rank}", "unknown_rank", f"no rank {rank} here")
+            case wire.Claim(incarnation=claimed) if claimed != mine:
+                why = f"producer restarted (incarnation {mine}, claim for {claimed})"
+                return wire.ClaimReply(granted_s={}, refused={rid: why for rid in msg.request_ids}, incarnation=mine)
+            case wire.Claim():
+                granted, refused = self.leases.claim(msg.request_ids, msg.need_s)
+                return wire.ClaimReply(granted_s=granted, refused=refused, incarnation=mine)
+            case wire.Heartbeat():
+                return wire.Ack(live=tuple(self.leases.heartbeat(msg.request_ids)))
+            case wire.Done():
+                return wire.Ack(live=self._release(msg.request_ids, ReleaseReason.DONE))
+            case wire.Abort():
+                ended = self._release(msg.request_ids, ReleaseReason.ABORTED)
+                log.info("kvconnect producer: consumer %s aborted %s: %s", msg.engine_id, ended, msg.reason)
+                return wire.Ack(live=ended)
+        raise Refusal("unsupported", f"{type(msg).__name__} is not served here", "unsupported")
 
-    def _on_control(self, msg: wire.ControlMessage) -> wire.ControlReply:
-        """Answer one control message; runs on the side-channel thread."""
-        if isinstance(msg, wire.Claim):
-            mine = self.metadata.incarnation
-            if msg.incarnation != mine:
-                why = f"producer restarted (incarnation {mine}, claim for {msg.incarnation})"
-                return wire.ClaimReply(granted={}, refused={rid: why for rid in msg.request_ids}, incarnation=mine)
-            granted, refused = self.leases.claim(msg.request_ids, msg.need_s)
-            now_mono, now_unix = self._clock(), time.time()
-            return wire.ClaimReply(granted={rid: now_unix + (exp - now_mono) for rid, exp in granted.items()},
-                                   refused=refused, incarnation=mine)
-        if isinstance(msg, wire.Heartbeat):
-            return wire.Ack(live=tuple(self.leases.heartbeat(msg.request_ids)))
-        reason = ReleaseReason.DONE if isinstance(msg, wire.Done) else ReleaseReason.ABORTED
-        ended = tuple(rid for rid in msg.request_ids if self.leases.release(rid, reason))
-        if isinstance(msg, wire.Abort):
-            log.info("kvconnect producer: consumer %s aborted %s: %s", msg.engine_id, ended, msg.reason)
-        return wire.Ack(live=ended)
-
-    @property
-    def held_blocks(self) -> int:
-        """Blocks live leases hold, all groups counted."""
-        return self.leases.held_blocks
-
+    def _release(self, request_ids: Sequence[str], reason: ReleaseReason) -> tuple[str, ...]:
+        return tuple(rid for rid in request_ids if self.leases.release(rid, reason))

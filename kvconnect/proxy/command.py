@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-WILDCARDS = ("0.0.0.0", "::", "")
+from kvconnect.sidechannel.addresses import check_bind
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,9 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted."""
-    if args.host in WILDCARDS and not args.allow_wildcard:
-        raise SystemExit(f"kvconnect proxy: refusing to listen on {args.host!r} (every interface) without "
-                         "--allow-wildcard")
+    try:
+        check_bind(args.host, allow_wildcard=args.allow_wildcard, what="the router")
+    except ValueError as exc:
+        raise SystemExit(f"kvconnect proxy: {exc}") from None
     import uvicorn
 
     from kvconnect.proxy.app import ProxyConfig, create_app

@@ -1,13 +1,16 @@
 """The transport interface: how registered KV blocks move between this worker and its peers.
 
 A transport registers one `RegionSet` and hands out metadata bytes; peers are added from their
-metadata plus their `RegionSet` (both arrive through kvconnect's handshake). `post()` pairs
+metadata plus their `RegionSet` (both arrive through kvconnect's side channel). `post()` pairs
 `local_ids[k]` with `remote_ids[k]` in every selected region (`regions`: region indices, default all;
 regions match by index and need equal block bytes): READ pulls peer blocks into local ones, WRITE
-pushes local blocks to the peer, and `notif` reaches the peer once the bytes have landed. `poll()` the
-handle until DONE or FAILED, then `release()` it. Every id is checked against both sides' regions
-before anything is posted (BlockRangeError); a failure to post is TransferError, a failure afterwards
-a FAILED poll. Small notifications ride the same channel.
+pushes local blocks to the peer. `poll()` the handle until DONE or FAILED, then `release()` it.
+Every id is checked against both sides' regions before anything is posted (BlockRangeError); a
+failure to post is TransferError, a failure afterwards a FAILED poll.
+
+DONE and FAILED are final: once `poll` returns either, no byte of that transfer lands any more. A
+caller that gives up on a transfer `cancel()`s it and keeps polling until it is final before it
+reuses the blocks: some backends cannot recall bytes already on their way.
 
     transport.register(regions)
     transport.add_peer("prefill-0", peer_metadata, peer_regions)
@@ -20,13 +23,14 @@ a FAILED poll. Small notifications ride the same channel.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from kvconnect.errors import BlockRangeError, LayoutError, TransferError
+from kvconnect.errors import BlockRangeError, KVConnectError, LayoutError, TransferError
 from kvconnect.regions import BlockIds, RegionSet
 
 OPS = ("READ", "WRITE")
@@ -34,7 +38,7 @@ RegionIndices = Sequence[int] | np.ndarray | None
 
 
 class TransferState(enum.Enum):
-    """Where a posted transfer stands."""
+    """Where a posted transfer stands; DONE and FAILED are final."""
 
     PENDING = "PENDING"
     DONE = "DONE"
@@ -45,6 +49,7 @@ class Transport(abc.ABC):
     """Moves blocks of registered regions to and from peers; one instance per worker process."""
 
     name: str = ""  # backend name peers must share, carried in kvconnect's metadata
+    label: str = ""  # how messages name the backend
 
     @abc.abstractmethod
     def register(self, regions: RegionSet) -> None:
@@ -56,15 +61,16 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
-        """Make a peer addressable by `peer_id`; an existing peer of that id is removed first."""
+        """Make a peer addressable by a new `peer_id`; an id already in use is a TransferError, and a
+        failed add leaves every other peer as it was."""
 
     @abc.abstractmethod
     def remove_peer(self, peer_id: str) -> None:
-        """Forget a peer, releasing its transfers still in flight; unknown ids are ignored."""
+        """Forget a peer, cancelling its transfers still in flight; unknown ids are ignored."""
 
     @abc.abstractmethod
     def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None, notif: bytes = b"") -> object:
+             regions: RegionIndices = None) -> object:
         """Start moving peer blocks `remote_ids[k]` to/from local `local_ids[k]`; returns a handle."""
 
     @abc.abstractmethod
@@ -72,24 +78,21 @@ class Transport(abc.ABC):
         """The state of a posted transfer; never raises for a backend failure (that is FAILED)."""
 
     @abc.abstractmethod
+    def cancel(self, handle: object) -> None:
+        """Stop a transfer: it submits nothing more and reads FAILED once nothing can land any more."""
+
+    @abc.abstractmethod
     def release(self, handle: object) -> None:
-        """Free a handle; a transfer still in flight is cancelled where the backend can."""
-
-    @abc.abstractmethod
-    def notify(self, peer_id: str, message: bytes) -> None:
-        """Send a small message to a peer; raises TransferError when it cannot be sent."""
-
-    @abc.abstractmethod
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """Messages received since the last call, as (sender, message); sender is the peer id if known."""
+        """Free a handle (cancelling it first if it is still pending)."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release handles, drop peers, deregister memory, then the backend; idempotent."""
 
-    # Bookkeeping every backend keeps the same way: an open/closed flag and its peers by id.
-    label: str = ""  # how messages name the backend
+    # ---- shared by the real backends: an open flag, registered regions, peers by id ----
+
     _closed: bool = False
+    _regions: RegionSet | None = None
     _peers: dict
 
     @property
@@ -101,11 +104,31 @@ class Transport(abc.ABC):
         if self._closed:
             raise TransferError(f"the {self.label} transport is closed")
 
-    def _peer(self, peer_id: str):
+    def _check_registering(self) -> None:
+        self._check_open()
+        if self._regions is not None:
+            raise TransferError("this transport already registered its regions")
+
+    def _check_registered(self, what: str) -> RegionSet:
+        self._check_open()
+        if self._regions is None:
+            raise TransferError(f"register regions before {what}")
+        return self._regions
+
+    def _check_new_peer(self, peer_id: str, regions: RegionSet) -> None:
+        local = self._check_registered("adding peers")
+        if peer_id in self._peers:
+            raise TransferError(f"peer id {peer_id!r} is already in use")
+        check_peer_regions(local, regions)
+
+    def _checked_post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds,
+                      regions: RegionIndices) -> tuple[object, np.ndarray, np.ndarray, np.ndarray]:
+        """The peer, the selected regions and both id arrays of a post, after every check it needs."""
+        local = self._check_registered("posting")
         peer = self._peers.get(peer_id)
         if peer is None:
             raise TransferError(f"unknown peer {peer_id!r}: add_peer first")
-        return peer
+        return (peer, *check_post(op, local, local_ids, peer.regions, remote_ids, regions))
 
     def wait(self, handle: object, timeout_s: float, interval_s: float = 0.0005) -> TransferState:
         """Poll until DONE or FAILED, or until `timeout_s` passes (then PENDING: the caller decides)."""
@@ -121,6 +144,17 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def mapped_errors(backend: str, what: str) -> Iterator[None]:
+    """Turn whatever a backend library raises inside the block into one TransferError naming the operation."""
+    try:
+        yield
+    except KVConnectError:
+        raise
+    except Exception as exc:  # libraries raise their own classes, RuntimeError and ValueError alike
+        raise TransferError(f"{backend} {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def check_post(op: str, local: RegionSet, local_ids: BlockIds, remote: RegionSet, remote_ids: BlockIds,

@@ -22,17 +22,17 @@ the blocking `batch_transfer_sync_read/write`, which release the GIL. `post()` o
 queues; `poll()` reads the state the worker wrote. A worker per peer, not per transport, because a
 peer that hangs (stopped, not dead) holds a batch until Mooncake's deadline, and that must not stall
 the other peers. One batch at a time per Mooncake session, whichever peer id posted it, keeps
-within the queue bound above. A transfer that is released, or whose peer is removed, reads FAILED at
-once and submits no further batch (one already submitted runs to its end).
+within the queue bound above. A transfer that is cancelled (or released, or whose peer is removed)
+submits no further batch; it reads FAILED at once if no batch of it is running, else when that batch
+returns, since a batch handed to Mooncake cannot be recalled and may still write its blocks.
 
 Mooncake returns -1 for any failure, which reads FAILED. A peer killed mid-batch fails it within
 about 0.1 s over TCP (the connection resets); a later batch to it fails within a second (connection
 refused). A hung peer fails a batch only at Mooncake's own deadline, `MC_TRANSFER_TIMEOUT` (30 s by
 default, read when an engine is created) plus 1 ns per byte: callers keep a deadline of their own.
 
-There is no notification channel: kvconnect's P/D layer sends done/abort/heartbeat over its own
-side channel, so `notify()` and a post with `notif` raise TransferError, and `notifications()` is
-always empty.
+Every Mooncake call goes through `_mooncake(what)`, which turns whatever the engine raises into one
+TransferError naming the operation.
 
 Mooncake logs a lot through glog at INFO. Unless `MC_LOG_LEVEL` is already set, the first transport
 sets it to WARNING; it only takes effect if `mooncake.engine` was not imported before.
@@ -41,6 +41,7 @@ sets it to WARNING; it only takes effect if `mooncake.engine` was not imported b
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -54,21 +55,25 @@ from typing import Annotated, Any, Callable
 import msgspec
 import numpy as np
 
-from kvconnect.errors import LayoutError, TransferError
+from kvconnect.errors import KVConnectError, LayoutError, TransferError
 from kvconnect.regions import BlockIds, MemoryKind, RegionSet, pair_descriptors
-from kvconnect.transport.base import RegionIndices, TransferState, Transport, check_peer_regions, check_post
+from kvconnect.transport.base import (
+    RegionIndices,
+    TransferState,
+    Transport,
+    mapped_errors,
+)
+from kvconnect.transport.options import check_transport_options
 
 log = logging.getLogger(__name__)
 
 # Entries a TCP peer connection queues without an admission wait (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
 DEFAULT_MAX_BATCH_ENTRIES = 1024
-PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "hip")
 _MAX_METADATA_BYTES = 1024
 _SESSION = re.compile(r"[A-Za-z0-9._-]+:[0-9]{1,5}")
-_NO_NOTIFY = "mooncake transport has no notification channel; kvconnect uses its side channel"
 
 _open: weakref.WeakSet[MooncakeTransport] = weakref.WeakSet()
-# A transfer leaves PENDING once, under this lock: the worker ending it and a caller cancelling it race.
+# A transfer's state changes under this lock: the worker ending it and a caller cancelling it race.
 _state_lock = threading.Lock()
 
 
@@ -76,6 +81,16 @@ _state_lock = threading.Lock()
 def _close_open_transports() -> None:
     for transport in list(_open):
         transport.close()
+
+
+def _mooncake(what: str) -> contextlib.AbstractContextManager[None]:
+    """Every Mooncake call runs inside this: whatever the library raises becomes a TransferError naming `what`."""
+    return mapped_errors("Mooncake", what)
+
+
+def _check_rc(rc: int, what: str) -> None:
+    if rc != 0:
+        raise TransferError(f"Mooncake {what} (returned {rc})")
 
 
 class _PeerInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, tag="mooncake/1"):
@@ -101,7 +116,7 @@ class _Xfer:
     """A posted transfer: its descriptors, the batches submitted so far and its state."""
 
     __slots__ = ("op", "peer_id", "session", "local", "remote", "lengths", "batches", "submitted", "state",
-                 "error")
+                 "error", "running", "cancelled")
 
     def __init__(self, op: str, peer_id: str, session: str, local: np.ndarray, remote: np.ndarray,
                  lengths: np.ndarray, batch: int, state: TransferState):
@@ -113,6 +128,8 @@ class _Xfer:
         self.submitted = 0  # batches handed to Mooncake, the failed one included
         self.state = state
         self.error = ""
+        self.running = False  # a batch of it is inside Mooncake right now
+        self.cancelled = False
 
     def __repr__(self) -> str:
         why = f" ({self.error})" if self.error else ""
@@ -148,20 +165,17 @@ class MooncakeTransport(Transport):
         all). `max_batch_entries`: most entries handed to Mooncake in one batch. `close_timeout_s`:
         how long `close()` waits for a batch still running.
         """
-        if protocol not in PROTOCOLS:
-            raise TransferError(f"unknown Mooncake protocol {protocol!r} (one of {', '.join(PROTOCOLS)})")
-        if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", host):
-            raise TransferError(f"host must be an IPv4 address or a host name, got {host!r}")
-        if not isinstance(max_batch_entries, int) or isinstance(max_batch_entries, bool) or max_batch_entries < 1:
-            raise TransferError(f"max_batch_entries must be a positive int, got {max_batch_entries!r}")
+        try:
+            check_transport_options("mooncake", dict(host=host, protocol=protocol, device=device,
+                                                     max_batch_entries=max_batch_entries,
+                                                     close_timeout_s=close_timeout_s))
+        except KVConnectError as exc:
+            raise TransferError(str(exc)) from None
         engine_mod = import_engine()
         engine = engine_mod.TransferEngine()
-        try:
-            rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-        except Exception as exc:
-            raise TransferError(f"Mooncake could not start on {host} over {protocol}: {exc}") from exc
-        if rc != 0:
-            raise TransferError(f"Mooncake could not start on {host} over {protocol} (initialize returned {rc})")
+        with _mooncake(f"could not start on {host} over {protocol}"):
+            _check_rc(engine.initialize(host, "P2PHANDSHAKE", protocol, device),
+                      f"could not start on {host} over {protocol}")
         self.host = host
         self.protocol = protocol
         self.max_batch_entries = max_batch_entries
@@ -170,7 +184,6 @@ class MooncakeTransport(Transport):
         self._vram_ok = bool(getattr(engine_mod, "SUPPORT_CUDA", False) or getattr(engine_mod, "SUPPORT_HIP", False))
         self._engine = engine
         self._lock = threading.RLock()
-        self._closed = False
         self._regions: RegionSet | None = None
         self._registered: list[int] = []
         self._peers: dict[str, _Peer] = {}
@@ -183,42 +196,30 @@ class MooncakeTransport(Transport):
     def register(self, regions: RegionSet) -> None:
         """Register every region once (overlapping regions merged)."""
         with self._lock:
-            self._check_open()
-            if self._regions is not None:
-                raise TransferError("this transport already registered its regions")
+            self._check_registering()
             if MemoryKind.VRAM in regions.memory_kinds() and not self._vram_ok:
                 raise LayoutError("this Mooncake build has no GPU support: VRAM regions cannot be registered "
                                   "(install the `mooncake` extra, not `mooncake-cpu`)")
             rows = regions.registration()
             addrs, sizes = rows[:, 0].tolist(), rows[:, 1].tolist()
-            try:
-                rc = self._engine.batch_register_memory(addrs, sizes)
-            except Exception as exc:
-                raise TransferError(f"Mooncake could not register {regions}: {exc}") from exc
-            if rc != 0:
-                raise TransferError(f"Mooncake could not register {regions} (batch_register_memory returned {rc})")
+            with _mooncake(f"could not register {regions}"):
+                _check_rc(self._engine.batch_register_memory(addrs, sizes), f"could not register {regions}")
             self._regions, self._registered = regions, addrs
 
     def local_metadata(self) -> bytes:
         """This engine's session name and protocol, msgpack-encoded, for peers' `add_peer`."""
         with self._lock:
-            self._check_open()
-            if self._regions is None:
-                raise TransferError("register regions before handing out metadata")
+            self._check_registered("handing out metadata")
             return msgspec.msgpack.encode(_PeerInfo(session=self.session, protocol=self.protocol))
 
     def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
         """Make a peer addressable; nothing is sent until its first transfer opens the connection."""
         with self._lock:
-            self._check_open()
-            if self._regions is None:
-                raise TransferError("register regions before adding peers")
-            check_peer_regions(self._regions, regions)
+            self._check_new_peer(peer_id, regions)
             info = _parse_metadata(peer_id, metadata)
             if info.protocol != self.protocol:
                 raise TransferError(f"peer {peer_id} runs Mooncake over {info.protocol}, this transport over "
                                     f"{self.protocol}")
-            self.remove_peer(peer_id)
             session_lock = self._session_locks.setdefault(info.session, threading.Lock())
             jobs: queue.SimpleQueue[_Xfer | None] = queue.SimpleQueue()
             # The worker holds its own reference to the engine, so the engine outlives any batch it runs.
@@ -228,10 +229,7 @@ class MooncakeTransport(Transport):
             self._peers[peer_id] = _Peer(info.session, regions, jobs, worker)
 
     def remove_peer(self, peer_id: str) -> None:
-        """Forget a peer; its transfers still queued or running read FAILED and submit no further batch.
-
-        Does not wait: the peer's worker ends after the batch it may be running.
-        """
+        """Forget a peer; its transfers are cancelled (see `cancel`). Does not wait for a running batch."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
             if peer is None:
@@ -242,16 +240,10 @@ class MooncakeTransport(Transport):
     # ---- transfers ----
 
     def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None, notif: bytes = b"") -> _Xfer:
-        """Queue a READ or WRITE of these blocks for the worker; every id is checked first."""
+             regions: RegionIndices = None) -> _Xfer:
+        """Queue a READ or WRITE of these blocks for the peer's worker; every id is checked first."""
         with self._lock:
-            self._check_open()
-            peer = self._peer(peer_id)
-            if self._regions is None:
-                raise TransferError("register regions before posting")
-            sel, lids, rids = check_post(op, self._regions, local_ids, peer.regions, remote_ids, regions)
-            if notif:
-                raise TransferError(f"cannot attach a notification to a {op}: {_NO_NOTIFY}")
+            peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
             local, remote = pair_descriptors(self._regions, lids, peer.regions, rids, sel)
             if local.shape[0] == 0:
                 return _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], 0, TransferState.DONE)
@@ -265,28 +257,18 @@ class MooncakeTransport(Transport):
         """DONE, PENDING or FAILED; a Mooncake failure (a dead peer included) is FAILED."""
         return self._xfer(handle).state
 
-    def release(self, handle: object) -> None:
-        """Free the transfer; one still queued or running reads FAILED and submits no further batch.
+    def cancel(self, handle: object) -> None:
+        """Submit no further batch; FAILED at once, or when the batch inside Mooncake returns."""
+        _fail(self._xfer(handle), "cancelled")
 
-        A batch already handed to Mooncake cannot be recalled: until it ends (at most
-        `max_batch_entries` entries), a READ may still write the local blocks it names.
-        """
+    def release(self, handle: object) -> None:
+        """Free the transfer (cancelling it if still pending)."""
         xfer = self._xfer(handle)
         with self._lock:
             peer = self._peers.get(xfer.peer_id)
             if peer is not None:
                 peer.xfers.discard(xfer)
             _fail(xfer, "released")
-
-    # ---- notifications ----
-
-    def notify(self, peer_id: str, message: bytes) -> None:
-        """Always raises TransferError: Mooncake gives kvconnect no notification channel."""
-        raise TransferError(_NO_NOTIFY)
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """Always empty (see `notify`)."""
-        return []
 
     # ---- shutdown ----
 
@@ -317,11 +299,10 @@ class MooncakeTransport(Transport):
                       "deregistering memory", self.close_timeout_s)
         elif self._registered:
             try:
-                rc = self._engine.batch_unregister_memory(self._registered)
-                if rc != 0:
-                    log.warning("kvconnect mooncake: batch_unregister_memory returned %s", rc)
-            except Exception as exc:
-                log.warning("kvconnect mooncake: deregistering memory failed: %s", exc)
+                with _mooncake("could not deregister memory"):
+                    _check_rc(self._engine.batch_unregister_memory(self._registered), "could not deregister memory")
+            except TransferError as exc:
+                log.warning("kvconnect mooncake: %s", exc)
         self._registered = []
         self._engine = None
 
@@ -351,39 +332,50 @@ def _work(engine: Any, jobs: queue.SimpleQueue, session_lock: threading.Lock, st
         try:
             _run(xfer, calls[xfer.op], session_lock, step)
         except Exception as exc:  # the worker must outlive any one transfer
-            _fail(xfer, f"{type(exc).__name__}: {exc}")
+            _end_batch(xfer, f"{type(exc).__name__}: {exc}")
             log.warning("kvconnect mooncake: %s with %s failed: %s", xfer.op, xfer.peer_id, exc)
 
 
 def _run(xfer: _Xfer, call: Callable[..., int], session_lock: threading.Lock, step: int) -> None:
     for start in range(0, xfer.lengths.size, step):
         with session_lock:
-            # Checked and counted under the state lock: once release() returns, no further batch goes out.
+            # Checked and marked under the state lock: once cancel() returns, no further batch goes out.
             with _state_lock:
-                if xfer.state is not TransferState.PENDING:  # released, peer removed or transport closed
+                if xfer.state is not TransferState.PENDING or xfer.cancelled:
                     return
                 xfer.submitted += 1
+                xfer.running = True
             stop = start + step
             rc = call(xfer.session, xfer.local[start:stop].tolist(), xfer.remote[start:stop].tolist(),
                       xfer.lengths[start:stop].tolist())
         if rc != 0:
-            _fail(xfer, f"batch {xfer.submitted}/{xfer.batches} returned {rc}")
-            log.warning("kvconnect mooncake: %s with %s (%s) failed: batch %d/%d returned %s", xfer.op,
-                        xfer.peer_id, xfer.session, xfer.submitted, xfer.batches, rc)
+            why = f"batch {xfer.submitted}/{xfer.batches} returned {rc}"
+            log.warning("kvconnect mooncake: %s with %s (%s) failed: %s", xfer.op, xfer.peer_id, xfer.session, why)
+            _end_batch(xfer, why)
             return
-    _finish(xfer)
+        _end_batch(xfer, None, last=stop >= xfer.lengths.size)
 
 
-def _finish(xfer: _Xfer) -> None:
+def _end_batch(xfer: _Xfer, error: str | None, last: bool = False) -> None:
+    """A batch returned: the transfer fails (error, or cancelled meanwhile), is done (last batch), or goes on."""
     with _state_lock:
-        if xfer.state is TransferState.PENDING:
+        xfer.running = False
+        if xfer.state is not TransferState.PENDING:
+            return
+        if error is not None or xfer.cancelled:
+            xfer.state, xfer.error = TransferState.FAILED, error or xfer.error
+        elif last:
             xfer.state = TransferState.DONE
 
 
 def _fail(xfer: _Xfer, why: str) -> None:
+    """Cancel: FAILED now if no batch of it is inside Mooncake, else when that batch returns."""
     with _state_lock:
-        if xfer.state is TransferState.PENDING:
-            xfer.state, xfer.error = TransferState.FAILED, why
+        if xfer.state is not TransferState.PENDING:
+            return
+        xfer.cancelled, xfer.error = True, why
+        if not xfer.running:
+            xfer.state = TransferState.FAILED
 
 
 def _parse_metadata(peer_id: str, metadata: bytes) -> _PeerInfo:

@@ -1,27 +1,31 @@
 """NIXL transport: one agent per worker, UCX by default, DRAM or VRAM regions.
 
 Memory is registered once. At `register` every block of every region becomes one row of a prepared
-local descriptor list; at `add_peer` the same is done for the peer's regions. A post is then two
-index arrays (region offset + block id, built with numpy) handed to `make_prepped_xfer`: no
-descriptor is built per request and nothing loops per block in Python. NIXL merges index runs that
-are contiguous in memory on both sides into one descriptor when it makes the request. Between
-processes on one host UCX copies with CMA inside `post` itself (the GIL is released meanwhile), so a
-post can take as long as the copy; across hosts it returns at once and `poll` tracks the transfer.
-The memory behind the registered regions must stay allocated until `close()`: a `RegionSet` holds
-addresses, not tensors.
+local descriptor list; at `add_peer` the same is done for the peer's regions, as long as the peer's
+blocks fit `prepared_rows` (then a post is two index arrays handed to `make_prepped_xfer`, no
+descriptor built per request). A peer whose regions hold more blocks than that is not prepared:
+its posts build their descriptors with numpy for exactly the blocks they move, so what a peer
+claims to have never costs this process memory, only what it actually reads does. NIXL merges index
+runs contiguous in memory on both sides into one descriptor. Between processes on one host UCX
+copies with CMA inside `post` itself (the GIL is released meanwhile), so a post can take as long as
+the copy; across hosts it returns at once and `poll` tracks the transfer.
 
-Errors raised by NIXL become `TransferError` when posting and FAILED when polling. When a peer
-process dies, UCX reports it (NIXL_ERR_REMOTE_DISCONNECT) on the post or on a later poll; a peer host
-that vanishes without closing its sockets may instead stay PENDING until UCX times out, so callers
-keep a deadline of their own.
+Every NIXL call goes through `_nixl(what)`, which turns whatever NIXL raises into one TransferError
+naming the operation. A peer process that dies shows up as NIXL_ERR_REMOTE_DISCONNECT on the post or
+a later poll (FAILED); a peer host that vanishes without closing its sockets may stay PENDING until
+UCX times out, so callers keep a deadline of their own. `cancel` releases the NIXL request (NIXL
+cancels it); a request NIXL refuses to release yet is retried on every poll and reads PENDING until
+it goes.
 
-Shutdown order matters to NIXL: transfer handles, prepared lists, remote agents, registrations,
-and only then the agent. `close()` does that, and runs at interpreter exit for any transport left open.
+Shutdown order matters to NIXL: transfer handles, prepared lists, remote agents, registrations, and
+only then the agent. `close()` does that, and runs at interpreter exit for any transport left open.
+The memory behind the registered regions must stay allocated until `close()`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -32,13 +36,20 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect.errors import LayoutError, TransferError
-from kvconnect.regions import BlockIds, MemoryKind, RegionSet
-from kvconnect.transport.base import RegionIndices, TransferState, Transport, check_peer_regions, check_post
+from kvconnect.regions import BlockIds, MemoryKind, RegionSet, pair_descriptors
+from kvconnect.transport.base import (
+    RegionIndices,
+    TransferState,
+    Transport,
+    mapped_errors,
+)
 
 log = logging.getLogger(__name__)
 
 _LOCAL = "NIXL_INIT_AGENT"
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}
+# Blocks of a peer prepared up front: 24 bytes of numpy plus about 8 of NIXL per block, 64 MiB in all.
+DEFAULT_PREPARED_ROWS = 2 << 20
 _open: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
 
 
@@ -51,9 +62,9 @@ def _close_open_transports() -> None:
 def skip_ucx_ib_without_devices() -> None:
     """Keep UCX from loading its InfiniBand module on a host that has no RDMA device.
 
-    With rdma-core installed system-wide, that module pulls a second copy of libnl into the process,
-    and its destructor crashes the process at exit. Without a device the module has nothing to do.
-    An explicit UCX_MODULES is left alone.
+    Some hosts ship rdma-core's userspace libraries without any RDMA device; there UCX's ib module
+    pulls a second copy of libnl into the process and its destructor was seen to crash the process at
+    exit. Without a device the module has nothing to do. An explicit UCX_MODULES is left alone.
     """
     if "UCX_MODULES" in os.environ:
         return
@@ -63,6 +74,22 @@ def skip_ucx_ib_without_devices() -> None:
         devices = []
     if not devices:
         os.environ["UCX_MODULES"] = "^ib"
+
+
+def _nixl(what: str) -> contextlib.AbstractContextManager[None]:
+    """Every NIXL call runs inside this: whatever the library raises becomes a TransferError naming `what`."""
+    return mapped_errors("NIXL", what)
+
+
+def _quietly(what: str, fn, *args) -> bool:
+    """Run a NIXL clean-up call; log and return False if it fails (clean-up goes on regardless)."""
+    try:
+        with _nixl(what):
+            fn(*args)
+        return True
+    except TransferError as exc:
+        log.warning("kvconnect nixl: %s", exc)
+        return False
 
 
 def _block_table(regions: RegionSet) -> tuple[np.ndarray, np.ndarray]:
@@ -75,8 +102,6 @@ def _block_table(regions: RegionSet) -> tuple[np.ndarray, np.ndarray]:
         rows[start:start + r.num_blocks, 0] = np.uint64(r.base_addr) + block * np.uint64(r.block_stride)
         rows[start:start + r.num_blocks, 1] = r.block_bytes
         rows[start:start + r.num_blocks, 2] = r.device_id
-    if rows.shape[0] > np.iinfo(np.int32).max:
-        raise LayoutError(f"{rows.shape[0]} blocks in all regions: NIXL indexes descriptors with int32")
     return rows, offsets
 
 
@@ -93,27 +118,29 @@ def _indices(offsets: np.ndarray, sel: np.ndarray, ids: np.ndarray) -> np.ndarra
 
 
 class _Xfer:
-    """A posted transfer: the NIXL handle (None once released), its peer and its last known state."""
+    """A posted transfer: the NIXL handle (None once released), its peer and its state."""
 
-    __slots__ = ("handle", "peer_id", "state")
+    __slots__ = ("handle", "peer_id", "state", "cancelled")
 
     def __init__(self, handle: object, peer_id: str, state: TransferState):
         self.handle = handle
         self.peer_id = peer_id
         self.state = state
+        self.cancelled = False
 
     def __repr__(self) -> str:
-        return f"<nixl transfer to {self.peer_id}: {self.state.value}>"
+        return f"<nixl transfer with {self.peer_id}: {self.state.value}>"
 
 
 class _Peer:
-    __slots__ = ("agent", "regions", "offsets", "dlist", "xfers")
+    __slots__ = ("agent", "regions", "kind", "offsets", "dlist", "xfers")
 
-    def __init__(self, agent: str, regions: RegionSet, offsets: np.ndarray, dlist: object):
+    def __init__(self, agent: str, regions: RegionSet, kind: MemoryKind):
         self.agent = agent
         self.regions = regions
-        self.offsets = offsets
-        self.dlist = dlist
+        self.kind = kind
+        self.offsets: np.ndarray | None = None
+        self.dlist: object = None  # prepared list of every peer block, when within the budget
         self.xfers: set[_Xfer] = set()
 
 
@@ -121,42 +148,43 @@ class NixlTransport(Transport):
     """Transport over a NIXL agent (UCX unless `backends` says otherwise).
 
     NIXL's progress thread spins a whole core. A peer only makes progress on transfers aimed at it
-    (and on their notifications) through that thread or through its own calls into NIXL, so a side
-    that others read from or write to keeps `progress_thread=True`; a side that only initiates and
-    polls can turn it off.
+    through that thread or through its own calls into NIXL, so a side that others read from or write
+    to keeps `progress_thread=True`; a side that only initiates and polls can turn it off.
     """
 
     name = "nixl"
     label = "NIXL"
 
     def __init__(self, agent_name: str | None = None, *, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 4, progress_thread: bool = True):
+                 num_threads: int = 4, progress_thread: bool = True, prepared_rows: int = DEFAULT_PREPARED_ROWS):
         """Create the agent; without `progress_thread` this side must only initiate, and keep polling.
 
         `num_threads` UCX workers share a post's descriptors: with per-block descriptors (random block
         tables) 4 of them pulled 2.4-3.3 GB/s where one pulled 1.0-1.3 on a 2-core host, at no idle cost.
+        `prepared_rows`: peers with at most this many blocks in all get a prepared descriptor list.
         """
         import nixl._api as nixl_api
 
         if "UCX" in backends:
             skip_ucx_ib_without_devices()
         self.agent_name = agent_name or f"kvconnect-{uuid.uuid4().hex[:12]}"
+        self.prepared_rows = int(prepared_rows)
         config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
                                             num_threads=num_threads)
-        try:
+        with _nixl(f"could not create an agent with backends {list(backends)}"):
             self._agent = nixl_api.nixl_agent(self.agent_name, config)
-        except Exception as exc:
-            raise TransferError(f"cannot create NIXL agent with backends {list(backends)}: {exc}") from exc
         if not self._agent.backends:
             raise TransferError(f"none of the NIXL backends {list(backends)} is available "
                                 f"(plugins: {self._agent.get_plugin_list()})")
         self._lock = threading.RLock()
-        self._closed = False
         self._regions: RegionSet | None = None
+        self._kind = MemoryKind.DRAM
         self._reg: object = None
         self._dlist: object = None
         self._offsets = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, _Peer] = {}
+        self._agents: dict[str, int] = {}  # remote agent -> peer ids using it (NIXL holds one entry per agent)
+        self._stuck: list[_Xfer] = []  # cancelled transfers NIXL would not release yet
         _open.add(self)
 
     # ---- set-up ----
@@ -164,94 +192,103 @@ class NixlTransport(Transport):
     def register(self, regions: RegionSet) -> None:
         """Register every region once and prepare the local per-block descriptor list."""
         with self._lock:
-            self._check_open()
-            if self._regions is not None:
-                raise TransferError("this transport already registered its regions")
+            self._check_registering()
             kind = _memory_kind(regions, "local")
             rows, offsets = _block_table(regions)
+            if rows.shape[0] > np.iinfo(np.int32).max:
+                raise LayoutError(f"{rows.shape[0]} blocks in all regions: NIXL indexes descriptors with int32")
             try:
-                self._reg = self._agent.register_memory(regions.registration(), kind.value)
-                self._dlist = self._agent.prep_xfer_dlist(_LOCAL, rows, kind.value)
-            except Exception as exc:
+                with _nixl(f"could not register {regions}"):
+                    self._reg = self._agent.register_memory(regions.registration(), kind.value)
+                    self._dlist = self._agent.prep_xfer_dlist(_LOCAL, rows, kind.value)
+            except TransferError:
                 self._undo_register()
-                raise TransferError(f"NIXL could not register {regions}: {exc}") from exc
-            self._regions, self._offsets = regions, offsets
+                raise
+            self._regions, self._offsets, self._kind = regions, offsets, kind
 
     def local_metadata(self) -> bytes:
         """The agent's metadata (connection info and registrations) for peers' `add_peer`."""
         with self._lock:
-            self._check_open()
-            if self._regions is None:
-                raise TransferError("register regions before handing out metadata")
+            self._check_registered("handing out metadata")
             return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
-        """Load a peer agent from its metadata and prepare its per-block descriptor list."""
+        """Load a peer agent from its metadata and, within the budget, prepare its block list."""
         with self._lock:
-            self._check_open()
-            if self._regions is None:
-                raise TransferError("register regions before adding peers")
-            check_peer_regions(self._regions, regions)
+            self._check_new_peer(peer_id, regions)
             kind = _memory_kind(regions, f"peer {peer_id}")
-            rows, offsets = _block_table(regions)
-            self.remove_peer(peer_id)
-            if bytes(metadata) == bytes(self._agent.get_agent_metadata()):
-                agent = self.agent_name  # loopback: NIXL addresses its own memory by its own name
-            else:
-                try:
-                    agent = self._agent.add_remote_agent(metadata)
-                except Exception as exc:
-                    raise TransferError(f"NIXL refused the metadata of peer {peer_id}: {exc}") from exc
-                if isinstance(agent, bytes):
-                    agent = agent.decode()
-                if any(p.agent == agent for p in self._peers.values()):
-                    # One NIXL entry per agent: a second peer id for it would lose it on the first removal.
-                    raise TransferError(f"peer {peer_id}: agent {agent} is already added under another peer id")
+            peer = _Peer(self._load_agent(peer_id, metadata), regions, kind)
             try:
-                dlist = self._agent.prep_xfer_dlist(agent, rows, kind.value)
-            except Exception as exc:
-                self._forget_agent(agent)
-                raise TransferError(f"NIXL could not prepare peer {peer_id}'s blocks: {exc}") from exc
-            self._peers[peer_id] = _Peer(agent, regions, offsets, dlist)
+                if sum(r.num_blocks for r in regions) <= self.prepared_rows:
+                    rows, peer.offsets = _block_table(regions)
+                    with _nixl(f"could not prepare peer {peer_id}'s blocks"):
+                        peer.dlist = self._agent.prep_xfer_dlist(peer.agent, rows, kind.value)
+            except TransferError:
+                self._unload_agent(peer.agent)
+                raise
+            self._peers[peer_id] = peer
+
+    def _load_agent(self, peer_id: str, metadata: bytes) -> str:
+        """The NIXL agent of a peer's metadata, counted once more.
+
+        NIXL keeps one entry per agent name and loads the same metadata again without complaint (a
+        different blob under a known name is refused), so two peer ids that present one agent (a
+        listener replaying a producer's metadata, say) share the entry: neither can remove it from
+        under the other.
+        """
+        if bytes(metadata) == bytes(self._agent.get_agent_metadata()):
+            agent = self.agent_name  # loopback: NIXL addresses its own memory by its own name
+        else:
+            with _nixl(f"refused the metadata of peer {peer_id}"):
+                loaded = self._agent.add_remote_agent(metadata)
+            agent = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._agents[agent] = self._agents.get(agent, 0) + 1
+        return agent
+
+    def _unload_agent(self, agent: str) -> None:
+        left = self._agents.get(agent, 1) - 1
+        if left > 0:
+            self._agents[agent] = left
+            return
+        self._agents.pop(agent, None)
+        if agent != self.agent_name:
+            _quietly(f"removing agent {agent}", self._agent.remove_remote_agent, agent)
 
     def remove_peer(self, peer_id: str) -> None:
-        """Release the peer's transfers and prepared list, then drop its agent."""
+        """Cancel the peer's transfers, release its prepared list, then drop its agent."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
             if peer is None or self._closed:
                 return
-            self._drop_peer(peer_id, peer)
+            self._drop_peer(peer)
 
     # ---- transfers ----
 
     def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None, notif: bytes = b"") -> _Xfer:
+             regions: RegionIndices = None) -> _Xfer:
         """Post a READ or WRITE of these blocks; every id is checked before NIXL sees any."""
         with self._lock:
-            self._check_open()
-            peer = self._peer(peer_id)
-            if self._regions is None:
-                raise TransferError("register regions before posting")
-            sel, lids, rids = check_post(op, self._regions, local_ids, peer.regions, remote_ids, regions)
+            peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
             if lids.size == 0 or sel.size == 0:
-                if notif:
-                    self.notify(peer_id, notif)
                 return _Xfer(None, peer_id, TransferState.DONE)
-            lidx = _indices(self._offsets, sel, lids)
-            ridx = _indices(peer.offsets, sel, rids)
+            what = f"{op} of {lids.size * sel.size} blocks with {peer_id}"
+            with _nixl(f"could not make a {what}"):
+                if peer.dlist is not None:
+                    handle = self._agent.make_prepped_xfer(op, self._dlist, _indices(self._offsets, sel, lids),
+                                                           peer.dlist, _indices(peer.offsets, sel, rids), b"")
+                else:
+                    local, remote = pair_descriptors(self._regions, lids, peer.regions, rids, sel)
+                    handle = self._agent.initialize_xfer(op, self._agent.get_xfer_descs(local, self._kind.value),
+                                                         self._agent.get_xfer_descs(remote, peer.kind.value),
+                                                         peer.agent, b"")
             try:
-                handle = self._agent.make_prepped_xfer(op, self._dlist, lidx, peer.dlist, ridx, notif)
-            except Exception as exc:
-                raise TransferError(f"NIXL could not make a {op} of {lidx.size} blocks with {peer_id}: "
-                                    f"{exc}") from exc
-            try:
-                status = self._agent.transfer(handle)
-            except Exception as exc:
-                self._release_handle(handle)
-                raise TransferError(f"NIXL {op} with {peer_id} failed when posted: {exc}") from exc
-            if status not in _STATES:
-                self._release_handle(handle)
-                raise TransferError(f"NIXL {op} with {peer_id} failed when posted ({status})")
+                with _nixl(f"{what} failed when posted"):
+                    status = self._agent.transfer(handle)
+                if status not in _STATES:
+                    raise TransferError(f"NIXL {what} failed when posted ({status})")
+            except TransferError:
+                _quietly("releasing a transfer handle", self._agent.release_xfer_handle, handle)
+                raise
             xfer = _Xfer(handle, peer_id, _STATES[status])
             peer.xfers.add(xfer)
             return xfer
@@ -262,50 +299,41 @@ class NixlTransport(Transport):
         if xfer.state is not TransferState.PENDING:
             return xfer.state
         with self._lock:
+            if xfer.cancelled:
+                self._try_release(xfer)
+                return xfer.state
             if xfer.handle is None or self._closed:
                 xfer.state = TransferState.FAILED
                 return xfer.state
             try:
-                status = self._agent.check_xfer_state(xfer.handle)
-            except Exception as exc:
-                log.warning("kvconnect nixl: transfer with %s failed: %s", xfer.peer_id, exc)
+                with _nixl(f"transfer with {xfer.peer_id}"):
+                    status = self._agent.check_xfer_state(xfer.handle)
+            except TransferError as exc:
+                log.warning("kvconnect nixl: %s", exc)
                 status = "ERR"
             xfer.state = _STATES.get(status, TransferState.FAILED)
             return xfer.state
 
-    def release(self, handle: object) -> None:
-        """Free the transfer; one still in flight is cancelled (and then reads FAILED)."""
+    def cancel(self, handle: object) -> None:
+        """Cancel a pending transfer; it reads FAILED once NIXL has released it."""
         xfer = self._xfer(handle)
         with self._lock:
+            if xfer.state is TransferState.PENDING:
+                xfer.cancelled = True
+                self._try_release(xfer)
+
+    def release(self, handle: object) -> None:
+        """Free the transfer (cancelling it if still pending)."""
+        xfer = self._xfer(handle)
+        with self._lock:
+            if xfer.state is TransferState.PENDING:
+                xfer.cancelled = True
+            self._try_release(xfer)
             peer = self._peers.get(xfer.peer_id)
             if peer is not None:
                 peer.xfers.discard(xfer)
-            self._release_xfer(xfer)
-
-    # ---- notifications ----
-
-    def notify(self, peer_id: str, message: bytes) -> None:
-        """Send a standalone notification to a peer."""
-        with self._lock:
-            self._check_open()
-            peer = self._peer(peer_id)
-            try:
-                self._agent.send_notif(peer.agent, message)
-            except Exception as exc:
-                raise TransferError(f"NIXL could not notify {peer_id}: {exc}") from exc
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        """Messages received since the last call; senders not added as peers appear by agent name."""
-        with self._lock:
-            if self._closed:
-                return []
-            try:
-                received = self._agent.get_new_notifs()
-            except Exception as exc:
-                log.warning("kvconnect nixl: reading notifications failed: %s", exc)
-                return []
-            by_agent = {p.agent: pid for pid, p in self._peers.items()}
-            return [(by_agent.get(agent, agent), bytes(m)) for agent, msgs in received.items() for m in msgs]
+            if xfer.handle is not None:
+                self._stuck.append(xfer)
 
     # ---- shutdown ----
 
@@ -320,9 +348,11 @@ class NixlTransport(Transport):
                 return
             self._closed = True
             _open.discard(self)
-            for peer_id, peer in list(self._peers.items()):
-                self._drop_peer(peer_id, peer)
+            for peer in list(self._peers.values()):
+                self._drop_peer(peer)
             self._peers.clear()
+            for xfer in self._stuck:
+                self._try_release(xfer)
             self._undo_register()
             self._agent = None
         finally:
@@ -335,49 +365,29 @@ class NixlTransport(Transport):
             raise TransferError(f"not a NIXL transfer handle: {handle!r}")
         return handle
 
-    def _release_handle(self, handle: object) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # NIXL keeps an uncancellable handle and frees it with the agent
-            log.warning("kvconnect nixl: releasing a transfer handle failed: %s", exc)
-
-    def _release_xfer(self, xfer: _Xfer) -> None:
-        if xfer.handle is None:
+    def _try_release(self, xfer: _Xfer) -> None:
+        if xfer.handle is None or self._agent is None:
             return
-        if xfer.state is TransferState.PENDING:
-            xfer.state = TransferState.FAILED
-        handle, xfer.handle = xfer.handle, None
-        if self._agent is not None:
-            self._release_handle(handle)
+        if _quietly(f"releasing a transfer with {xfer.peer_id}", self._agent.release_xfer_handle, xfer.handle):
+            xfer.handle = None
+            if xfer.state is TransferState.PENDING:
+                xfer.state = TransferState.FAILED
 
-    def _drop_peer(self, peer_id: str, peer: _Peer) -> None:
+    def _drop_peer(self, peer: _Peer) -> None:
         for xfer in list(peer.xfers):
-            self._release_xfer(xfer)
+            xfer.cancelled = True
+            self._try_release(xfer)
+            if xfer.handle is not None:
+                self._stuck.append(xfer)
         peer.xfers.clear()
-        try:
-            self._agent.release_dlist_handle(peer.dlist)
-        except Exception as exc:
-            log.warning("kvconnect nixl: releasing peer %s's prepared list failed: %s", peer_id, exc)
-        self._forget_agent(peer.agent)
-
-    def _forget_agent(self, agent: str) -> None:
-        if agent == self.agent_name:
-            return
-        try:
-            self._agent.remove_remote_agent(agent)
-        except Exception as exc:
-            log.warning("kvconnect nixl: removing remote agent %s failed: %s", agent, exc)
+        if peer.dlist is not None:
+            _quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
+        self._unload_agent(peer.agent)
 
     def _undo_register(self) -> None:
         if self._dlist is not None:
-            try:
-                self._agent.release_dlist_handle(self._dlist)
-            except Exception as exc:
-                log.warning("kvconnect nixl: releasing the local prepared list failed: %s", exc)
+            _quietly("releasing the local prepared list", self._agent.release_dlist_handle, self._dlist)
             self._dlist = None
         if self._reg is not None:
-            try:
-                self._agent.deregister_memory(self._reg)
-            except Exception as exc:
-                log.warning("kvconnect nixl: deregistering memory failed: %s", exc)
+            _quietly("deregistering memory", self._agent.deregister_memory, self._reg)
             self._reg = None

@@ -90,7 +90,7 @@ def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
     # from it on a small host.
     cmd, payload = conn.recv()
     if cmd == "raw":
-        from kvconnect.bench.raw import RawSide
+        from kvconnect.workload.raw import RawSide
 
         raw = RawSide(spec.backend, payload, fill=True)
         try:
@@ -101,7 +101,7 @@ def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
     preset = spec.model()
     caches, groups = preset.allocate(num_blocks)
     conn_ = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="bench-prefill",
-                                        block_size=preset.block_size, group_regions=groups))
+                                        block_size=preset.block_size, groups=groups))
     try:
         conn_.register_kv_caches(caches)
         views = _byte_views(caches)
@@ -114,7 +114,7 @@ def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
                 tables = _pick_blocks(rng, num_blocks, preset.blocks_for(spec.tokens), len(payload), spec.block_table)
                 params = []
                 for (req, rid), table in zip(payload, tables):
-                    for g, regions in enumerate(groups):
+                    for g, regions in enumerate(conn_.group_regions):
                         for k in regions:
                             fill_blocks(views[k], table[g], base[k], k, req)
                     params.append(conn_.request_finished(rid, table, spec.tokens))
@@ -151,119 +151,135 @@ def _recv(conn: Any, expect: str, proc: mp.Process) -> Any:
 
 # ---- consumer (this process) ----
 
+class _Run:
+    """The consumer side of one measured pull: waves of concurrent requests, every byte checked."""
+
+    def __init__(self, spec: PullSpec, progress: Callable[[int, int], None] | None):
+        from kvconnect.connector import ConnectorConfig, KVConnector
+
+        self.spec, self.progress = spec, progress
+        self.preset = spec.model()
+        self.need = self.preset.blocks_for(spec.tokens)
+        self.num_blocks = max(self.need) * spec.concurrency + 8
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, spec, self.num_blocks), daemon=True)
+        self.proc.start()
+        self.caches, groups = self.preset.allocate(self.num_blocks)
+        self.consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode",
+                                                    block_size=self.preset.block_size, groups=groups))
+        self.latencies: list[float] = []
+        self.failed: dict[str, str] = {}
+        self.verified = True
+        self.held_after = -1
+        self.done = 0
+        self.rng = np.random.default_rng(spec.seed + 2)
+
+    def start(self) -> float:
+        """The raw baseline (when asked for), then registration; returns the raw GB/s (0 without it)."""
+        raw_gbps = 0.0
+        if self.spec.raw:
+            raw_gbps = _raw_baseline(self.spec, self.preset.bytes_per_request(self.spec.tokens), self.pipe, self.proc)
+        else:
+            self.pipe.send(("no-raw", None))
+        _recv(self.pipe, "ready", self.proc)
+        self.consumer.register_kv_caches(self.caches)
+        self.views = _byte_views(self.caches)
+        self.base = _base_rows(len(self.views), [v.shape[1] for v in self.views], self.spec.seed)
+        return raw_gbps
+
+    def wave(self, members: list[tuple[int, str]], timed: bool) -> float:
+        """Hold, pull and check one wave of requests; returns its pull seconds."""
+        self.pipe.send(("hold", members))
+        params = _recv(self.pipe, "params", self.proc)
+        tables = _pick_blocks(self.rng, self.num_blocks, self.need, len(members), self.spec.block_table)
+        started: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for (_, rid), p, table in zip(members, params, tables):
+            started[rid] = time.perf_counter()
+            self.consumer.start_load(p, table)
+        pending = set(started)
+        while pending:
+            fin = self.consumer.get_finished()
+            now = time.perf_counter()
+            for rid in fin.loaded:
+                pending.discard(rid)
+                if timed:
+                    self._finished(now - started[rid])
+            for rid, why in fin.failed.items():
+                pending.discard(rid)
+                self.failed[rid] = str(why)
+            if pending:
+                time.sleep(0.0002)
+        seconds = time.perf_counter() - t0
+        self._check(members, tables)
+        self.pipe.send(("drain", 30.0))
+        self.held_after = _recv(self.pipe, "drained", self.proc)
+        return seconds
+
+    def _finished(self, seconds: float) -> None:
+        self.latencies.append(seconds)
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.spec.requests)
+
+    def _check(self, members: list[tuple[int, str]], tables: list[list[np.ndarray]]) -> None:
+        for (req, rid), table in zip(members, tables):
+            if rid in self.failed:
+                continue
+            for g, regions in enumerate(self.consumer.group_regions):
+                for k in regions:
+                    self.verified &= blocks_match(self.views[k], table[g], self.base[k], k, req)
+
+    def close(self) -> None:
+        """Stop the producer and close the consumer."""
+        self.consumer.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def figures(self, pull_seconds: float, raw_gbps: float) -> dict[str, Any]:
+        """What the run measured, as one dict."""
+        spec = self.spec
+        per_request = self.preset.bytes_per_request(spec.tokens)
+        moved = per_request * (spec.requests - len(self.failed))
+        lat_ms = np.array(self.latencies) * 1e3 if self.latencies else np.array([float("nan")])
+        gbps = moved / pull_seconds / 1e9 if pull_seconds else 0.0
+        regions_per_group = [len(g) for g in self.consumer.group_regions]
+        return {
+            **asdict(spec), "description": self.preset.description, "bytes": moved, "bytes_per_request": per_request,
+            "seconds": pull_seconds, "gbps": gbps, "p50_ms": float(np.percentile(lat_ms, 50)),
+            "p99_ms": float(np.percentile(lat_ms, 99)),
+            "descriptors_per_request": int(sum(n * k for n, k in zip(self.need, regions_per_group))),
+            "verified": self.verified and not self.failed, "failed": self.failed,
+            "held_blocks_after": self.held_after, "raw_backend": spec.backend, "raw_gbps": raw_gbps,
+            "ratio_vs_raw": gbps / raw_gbps if raw_gbps else None,
+        }
+
+
 def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Pull `spec.requests` requests from a producer process; returns the measured figures."""
-    from kvconnect.connector import ConnectorConfig, KVConnector
-    preset = spec.model()
-    need = preset.blocks_for(spec.tokens)
-    num_blocks = max(need) * spec.concurrency + 8
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_producer_main, args=(child, spec, num_blocks), daemon=True)
-    proc.start()
-    caches, groups = preset.allocate(num_blocks)
-    consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode",
-                                           block_size=preset.block_size, group_regions=groups))
-    latencies: list[float] = []
-    failed: dict[str, str] = {}
-    verified = True
+    run = _Run(spec, progress)
     pull_seconds = 0.0
-    raw_gbps = 0.0
-    held_after = -1
     try:
-        if spec.raw:
-            raw_gbps = _raw_baseline(spec, preset.bytes_per_request(spec.tokens), parent, proc)
-        else:
-            parent.send(("no-raw", None))
-        _recv(parent, "ready", proc)
-        consumer.register_kv_caches(caches)
-        views = _byte_views(caches)
-        base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
-        rng = np.random.default_rng(spec.seed + 2)
-
-        def wave(members: list[tuple[int, str]], on_done: Callable[[str, float], None]) -> float:
-            """Hold, pull and check one wave; returns its pull seconds."""
-            nonlocal verified, held_after
-            parent.send(("hold", members))
-            params = _recv(parent, "params", proc)
-            tables = _pick_blocks(rng, num_blocks, need, len(members), spec.block_table)
-            started: dict[str, float] = {}
-            t0 = time.perf_counter()
-            for (_, rid), p, table in zip(members, params, tables):
-                started[rid] = time.perf_counter()
-                consumer.start_load(rid, table, p)
-            pending = set(started)
-            while pending:
-                fin = consumer.get_finished()
-                now = time.perf_counter()
-                for rid in fin.recving:
-                    if rid in pending:
-                        pending.discard(rid)
-                        on_done(rid, now - started[rid])
-                failed.update(fin.failed)
-                if pending:
-                    time.sleep(0.0002)
-            seconds = time.perf_counter() - t0
-            for (req, rid), table in zip(members, tables):
-                if rid in failed:
-                    continue
-                for g, regions in enumerate(groups):
-                    for k in regions:
-                        verified &= blocks_match(views[k], table[g], base[k], k, req)
-            parent.send(("drain", 30.0))
-            held_after = _recv(parent, "drained", proc)
-            return seconds
-
+        raw_gbps = run.start()
         # One untimed request first: the handshake and the peer's prepared lists are a once-per-peer
         # cost, reported by `kvconnect bench handshake`, not part of a request's pull.
-        wave([(spec.requests, "warm-up")], lambda rid, s: None)
-        done = 0
+        run.wave([(spec.requests, "warm-up")], timed=False)
         if progress:
             progress(0, spec.requests)
-
-        def finished(rid: str, seconds: float) -> None:
-            nonlocal done
-            latencies.append(seconds)
-            done += 1
-            if progress:
-                progress(done, spec.requests)
-
         for start in range(0, spec.requests, spec.concurrency):
             members = [(r, f"req-{r}") for r in range(start, min(spec.requests, start + spec.concurrency))]
-            pull_seconds += wave(members, finished)
-        parent.send(("stop", None))
-        _recv(parent, "stopped", proc)
+            pull_seconds += run.wave(members, timed=True)
+        run.pipe.send(("stop", None))
+        _recv(run.pipe, "stopped", run.proc)
     finally:
-        consumer.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    per_request = preset.bytes_per_request(spec.tokens)
-    moved = per_request * (spec.requests - len(failed))
-    lat_ms = np.array(latencies) * 1e3 if latencies else np.array([float("nan")])
-    gbps = moved / pull_seconds / 1e9 if pull_seconds else 0.0
-    regions_per_group = [len(g) for g in groups]
-    return {
-        **asdict(spec),
-        "description": preset.description,
-        "bytes": moved,
-        "bytes_per_request": per_request,
-        "seconds": pull_seconds,
-        "gbps": gbps,
-        "p50_ms": float(np.percentile(lat_ms, 50)),
-        "p99_ms": float(np.percentile(lat_ms, 99)),
-        "descriptors_per_request": int(sum(n * k for n, k in zip(need, regions_per_group))),
-        "verified": verified and not failed,
-        "failed": failed,
-        "held_blocks_after": held_after,
-        "raw_backend": spec.backend,
-        "raw_gbps": raw_gbps,
-        "ratio_vs_raw": gbps / raw_gbps if raw_gbps else None,
-    }
+        run.close()
+    return run.figures(pull_seconds, raw_gbps)
 
 
 def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) -> float:
-    from kvconnect.bench.raw import RawSide
+    from kvconnect.workload.raw import RawSide
 
     parent.send(("raw", nbytes))
     remote = _recv(parent, "raw", proc)

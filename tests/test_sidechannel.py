@@ -21,15 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconnect import HandshakeError, wire
-from kvconnect.handshake import (
-    SECRET_ENV,
-    HandshakeServer,
-    PeerDirectory,
-    _ReplayCache,
-    fetch_metadata,
-    resolve_secret,
-    send_control,
-)
+from kvconnect.sidechannel import SECRET_ENV, SideChannelServer, call, fetch_metadata, metadata_handler, resolve_secret
+from kvconnect.sidechannel.auth import ReplayCache, new_nonce, request_mac
 from kvconnect.wire import EngineMetadata, RegionMeta
 
 SECRET = b"correct horse battery staple, 32b"
@@ -57,13 +50,27 @@ def make_metadata(rank: int = 0, **overrides: object) -> EngineMetadata:
                 memory_kind="VRAM",
             ),
         ),
+        group_regions=((0,),),
         block_size=16,
         layout="LBHNC",
         dtype="bfloat16",
-        layout_fingerprint="f" * 64,
     )
     fields.update(overrides)
+    fields.setdefault("compat", compat_of(fields))
     return EngineMetadata(**fields)
+
+
+def compat_of(fields: dict) -> wire.Compat:
+    """The compatibility fingerprint metadata with these fields carry."""
+    group = wire.GroupCompat(label="attention", block_size=fields["block_size"], page_bytes=(8192,),
+                             layers=wire.layers_digest([("model.layers.0.attn",)]))
+    return wire.Compat(transport=fields["transport"], layout=fields["layout"], dtype=fields["dtype"],
+                       block_size=fields["block_size"], groups=(group,))
+
+
+def serve(provide=None, *, control=None, **kw) -> SideChannelServer:
+    """A listener serving `provide(rank)` (default: the test provider) and, given one, a control handler."""
+    return SideChannelServer(metadata_handler(provide or provider, control), **kw)
 
 
 def provider(rank: int) -> EngineMetadata | None:
@@ -76,14 +83,14 @@ def _no_ambient_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def server() -> Iterator[HandshakeServer]:
-    with HandshakeServer(provider) as srv:
+def server() -> Iterator[SideChannelServer]:
+    with serve() as srv:
         yield srv
 
 
 @pytest.fixture
-def auth_server() -> Iterator[HandshakeServer]:
-    with HandshakeServer(provider, secret=SECRET) as srv:
+def auth_server() -> Iterator[SideChannelServer]:
+    with serve(secret=SECRET) as srv:
         yield srv
 
 
@@ -127,16 +134,16 @@ def signed_request(
     version: int = wire.PROTOCOL_VERSION,
 ) -> tuple[bytes, bytes]:
     """A request envelope built by hand (so tests can make it stale, replayed, or carry any body)."""
-    nonce = wire.new_nonce() if nonce is None else nonce
+    nonce = new_nonce() if nonce is None else nonce
     timestamp = time.time() if timestamp is None else timestamp
-    body = wire.encode_request(wire.HandshakeRequest(rank=rank)) if body is None else body
-    mac = b"" if secret is None else wire.request_mac(secret, version, nonce, timestamp, body)
+    body = wire.REQUEST.encode(wire.HandshakeRequest(rank=rank)) if body is None else body
+    mac = b"" if secret is None else request_mac(secret, version, nonce, timestamp, body)
     env = wire.RequestEnvelope(protocol_version=version, body=body, nonce=nonce, timestamp=timestamp, mac=mac)
     return msgspec.msgpack.encode(env), nonce
 
 
 def reply_body(data: bytes) -> wire.HandshakeReply | wire.HandshakeRejection:
-    return wire.decode_reply_body(wire.decode_reply_envelope(data).body)
+    return wire.REPLY.decode(wire.REPLY_ENVELOPE.decode(data).body)
 
 
 def free_port() -> int:
@@ -145,7 +152,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_serves(srv: HandshakeServer, secret: bytes | None = None) -> None:
+def assert_serves(srv: SideChannelServer, secret: bytes | None = None) -> None:
     meta = fetch_metadata("127.0.0.1", srv.port, rank=1, timeout=5.0, secret=secret)
     assert meta == make_metadata(1)
     assert srv.is_alive()
@@ -155,66 +162,66 @@ def assert_serves(srv: HandshakeServer, secret: bytes | None = None) -> None:
 # The happy path and the listener's lifecycle
 
 
-def test_fetch_returns_the_providers_metadata_for_each_rank(server: HandshakeServer) -> None:
+def test_fetch_returns_the_providers_metadata_for_each_rank(server: SideChannelServer) -> None:
     for rank in range(WORLD_SIZE):
         meta = fetch_metadata("127.0.0.1", server.port, rank=rank, timeout=5.0)
         assert meta == make_metadata(rank)
     assert server.stats["served"] == WORLD_SIZE
 
 
-def test_fetch_with_matching_expectation_succeeds(server: HandshakeServer) -> None:
-    meta = fetch_metadata("127.0.0.1", server.port, timeout=5.0, expect=make_metadata(0).compat())
+def test_fetch_with_matching_expectation_succeeds(server: SideChannelServer) -> None:
+    meta = fetch_metadata("127.0.0.1", server.port, timeout=5.0, expect=make_metadata(0).compat)
     assert meta.engine_id == "prefill-0"
 
 
 def test_port_zero_binds_a_free_loopback_port() -> None:
-    with HandshakeServer(provider) as a, HandshakeServer(provider) as b:
+    with serve() as a, serve() as b:
         assert a.port > 0 and b.port > 0 and a.port != b.port
         assert a.endpoint == f"tcp://127.0.0.1:{a.port}"
 
 
 def test_listener_binds_an_explicit_port() -> None:
     port = free_port()
-    with HandshakeServer(provider, port=port) as srv:
+    with serve(port=port) as srv:
         assert srv.port == port
         assert_serves(srv)
 
 
 def test_close_returns_within_a_second_and_frees_the_port() -> None:
-    srv = HandshakeServer(provider)
+    srv = serve()
     assert_serves(srv)
     t0 = time.monotonic()
     srv.close()
     assert time.monotonic() - t0 < 1.0 + MARGIN_S
     assert not srv.is_alive()
     srv.close()  # idempotent
-    with HandshakeServer(provider, port=srv.port) as again:
+    with serve(port=srv.port) as again:
         assert_serves(again)
 
 
-def test_binding_a_busy_port_raises_handshake_error(server: HandshakeServer) -> None:
+def test_binding_a_busy_port_raises_handshake_error(server: SideChannelServer) -> None:
     with pytest.raises(HandshakeError, match="cannot bind"):
-        HandshakeServer(provider, port=server.port)
+        serve(port=server.port)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*", "::", "[::]", "", "0:0:0:0:0:0:0:0"])
 def test_wildcard_bind_is_refused_without_opt_in(host: str) -> None:
     with pytest.raises(ValueError, match="allow_wildcard"):
-        HandshakeServer(provider, host=host)
+        serve(host=host)
 
 
 def test_wildcard_bind_with_opt_in_warns_that_it_is_unauthenticated(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvconnect.handshake"):
-        with HandshakeServer(provider, host="0.0.0.0", allow_wildcard=True) as srv:
+        with serve(host="0.0.0.0", allow_wildcard=True) as srv:
             assert_serves(srv)
     assert any("unauthenticated" in r.getMessage() for r in caplog.records)
 
 
 def test_authenticated_or_loopback_listeners_do_not_warn(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvconnect.handshake"):
-        with HandshakeServer(provider, host="0.0.0.0", allow_wildcard=True, secret=SECRET):
+        with serve(host="0.0.0.0", allow_wildcard=True, secret=SECRET):
             pass
-        with HandshakeServer(provider):
+        with serve():
             pass
     assert not [r for r in caplog.records if "unauthenticated" in r.getMessage()]
 
@@ -223,7 +230,7 @@ def test_ipv6_loopback_works_where_available() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     try:
-        srv = HandshakeServer(provider, host="::1")
+        srv = serve(host="::1")
     except HandshakeError:
         pytest.skip("IPv6 loopback unavailable")
     with srv:
@@ -252,15 +259,15 @@ def _pickled_marker(path: pathlib.Path) -> bytes:
         ([b"\xc1"], "malformed"),  # the one byte msgpack never uses
         ([msgspec.msgpack.encode([1, 2, 3])], "malformed"),
         ([msgspec.msgpack.encode({"rank": 0})], "malformed"),
-        ([msgspec.msgpack.encode({"protocol_version": 1, "body": "not bytes"})], "malformed"),
-        ([msgspec.msgpack.encode({"protocol_version": 1, "body": b"\x81\xa4rank\xa1x"})], "malformed"),
+        ([msgspec.msgpack.encode({"protocol_version": wire.PROTOCOL_VERSION, "body": "not bytes"})], "malformed"),
+        ([msgspec.msgpack.encode({"protocol_version": wire.PROTOCOL_VERSION, "body": b"\x81\xa4rank\xa1x"})], "malformed"),
         ([b"\x91" * 4000], "malformed"),  # deeply nested arrays
         ([b"\x00" * (wire.MAX_REQUEST_BYTES + 1)], "oversized"),
         ([b"\x00" * (2 * wire.MAX_REQUEST_BYTES)], "oversized"),
     ],
 )
 def test_listener_drops_bad_frames_and_keeps_serving(
-    server: HandshakeServer, zctx: zmq.Context, frames: list[bytes], reason: str
+    server: SideChannelServer, zctx: zmq.Context, frames: list[bytes], reason: str
 ) -> None:
     assert exchange(zctx, server.port, frames, timeout=0.3) is None
     assert wait_for(lambda: server.stats[reason] == 1)
@@ -269,7 +276,7 @@ def test_listener_drops_bad_frames_and_keeps_serving(
     assert stats["dropped"] == 1 and stats["served"] == 1 and stats["rejected"] == 0
 
 
-def test_listener_survives_a_frame_past_the_socket_limit(server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_listener_survives_a_frame_past_the_socket_limit(server: SideChannelServer, zctx: zmq.Context) -> None:
     # libzmq cuts the sender off before the message is buffered; nothing reaches the handler.
     assert exchange(zctx, server.port, [b"\x00" * (1 << 20)], timeout=0.3) is None
     assert_serves(server)
@@ -277,7 +284,7 @@ def test_listener_survives_a_frame_past_the_socket_limit(server: HandshakeServer
 
 
 def test_pickle_payloads_are_never_deserialized(
-    auth_server: HandshakeServer, server: HandshakeServer, zctx: zmq.Context, tmp_path: pathlib.Path
+    auth_server: SideChannelServer, server: SideChannelServer, zctx: zmq.Context, tmp_path: pathlib.Path
 ) -> None:
     marker = tmp_path / "marker"
     payload = _pickled_marker(marker)
@@ -289,14 +296,14 @@ def test_pickle_payloads_are_never_deserialized(
     # Authenticated, so it reaches the body decoder of an authenticated listener.
     exchange(zctx, auth_server.port, [signed_request(SECRET, body=payload)[0]], timeout=0.2)
     with pytest.raises(wire.WireError):
-        wire.decode_notification(payload)
+        wire.REQUEST.decode(payload)
     assert wait_for(lambda: server.stats["malformed"] == 2 and auth_server.stats["malformed"] == 1)
     assert_serves(server)
     assert_serves(auth_server, secret=SECRET)
     assert not marker.exists()
 
 
-def test_unknown_rank_is_rejected_promptly_and_counted(server: HandshakeServer) -> None:
+def test_unknown_rank_is_rejected_promptly_and_counted(server: SideChannelServer) -> None:
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="unknown_rank"):
         fetch_metadata("127.0.0.1", server.port, rank=7, timeout=5.0)
@@ -323,15 +330,15 @@ def test_provider_failures_are_reported_and_do_not_kill_the_listener(bad_provide
         calls.append(rank)
         return provider(rank) if rank == 1 else bad_provider(rank)
 
-    with HandshakeServer(flaky) as srv:
+    with serve(flaky) as srv:
         with pytest.raises(HandshakeError, match="internal"):
             fetch_metadata("127.0.0.1", srv.port, rank=0, timeout=5.0)
-        assert srv.stats["provider_error"] == 1
+        assert srv.stats["handler_error"] == 1
         assert_serves(srv)
 
 
 def test_request_from_another_protocol_version_gets_a_version_rejection(
-    server: HandshakeServer, zctx: zmq.Context
+    server: SideChannelServer, zctx: zmq.Context
 ) -> None:
     future = msgspec.msgpack.encode({"protocol_version": wire.PROTOCOL_VERSION + 1, "hello": [1, 2]})
     reply = exchange(zctx, server.port, [future])
@@ -429,7 +436,7 @@ _FUZZ = settings(
 )
 
 
-def _fuzz(srv: HandshakeServer, zctx: zmq.Context, strategy: st.SearchStrategy, examples: int) -> int:
+def _fuzz(srv: SideChannelServer, zctx: zmq.Context, strategy: st.SearchStrategy, examples: int) -> int:
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{srv.port}")
@@ -450,7 +457,7 @@ def _fuzz(srv: HandshakeServer, zctx: zmq.Context, strategy: st.SearchStrategy, 
     return sent[0]
 
 
-def test_fuzzed_frames_never_stop_the_listener(server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_fuzzed_frames_never_stop_the_listener(server: SideChannelServer, zctx: zmq.Context) -> None:
     sent = _fuzz(server, zctx, _frames, 2000)
     assert wait_for(lambda: server.stats["received"] >= sent)
     assert_serves(server)
@@ -462,7 +469,7 @@ def test_fuzzed_frames_never_stop_the_listener(server: HandshakeServer, zctx: zm
         assert stats[reason] > 0, stats
 
 
-def test_fuzzed_requests_never_pass_authentication(auth_server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_fuzzed_requests_never_pass_authentication(auth_server: SideChannelServer, zctx: zmq.Context) -> None:
     sent = _fuzz(auth_server, zctx, st.one_of(_envelope_like, _mutated_request()).map(lambda b: [b]), 800)
     assert wait_for(lambda: auth_server.stats["received"] >= sent)
     stats = auth_server.stats
@@ -473,12 +480,12 @@ def test_fuzzed_requests_never_pass_authentication(auth_server: HandshakeServer,
 
 def test_fuzzed_bodies_behind_a_valid_mac_never_stop_the_listener(zctx: zmq.Context) -> None:
     bodies = st.one_of(st.binary(max_size=64), _msgpack_values.map(msgspec.msgpack.encode), *[_near_valid_body()] * 4)
-    with HandshakeServer(provider, secret=SECRET, control=Recorder()) as srv:
+    with serve(secret=SECRET, control=Recorder()) as srv:
         sent = _fuzz(srv, zctx, bodies.map(lambda body: [signed_request(SECRET, body=body)[0]]), 800)
         assert wait_for(lambda: srv.stats["received"] >= sent)
         stats = srv.stats
         assert stats["unauthenticated"] == 0 and stats["internal"] == 0 and stats["listener_errors"] == 0, stats
-        assert stats["control_error"] == 0
+        assert stats["handler_error"] == 0
         assert stats["malformed"] > 0 and stats["served"] > 0  # garbage was refused, valid messages served
         assert_serves(srv, secret=SECRET)
 
@@ -493,10 +500,10 @@ class Recorder:
     def __init__(self) -> None:
         self.seen: list[msgspec.Struct] = []
 
-    def __call__(self, msg: wire.ControlMessage) -> wire.ControlReply:
+    def __call__(self, msg: wire.ControlMessage) -> wire.ReplyBody:
         self.seen.append(msg)
         if isinstance(msg, wire.Claim):
-            return wire.ClaimReply(granted={rid: 1_900_000_000.0 for rid in msg.request_ids[1:]},
+            return wire.ClaimReply(granted_s={rid: 30.0 for rid in msg.request_ids[1:]},
                                    refused={rid: "expired" for rid in msg.request_ids[:1]}, incarnation="inc-1")
         return wire.Ack(live=msg.request_ids)
 
@@ -507,15 +514,15 @@ def _claim(*ids: str) -> wire.Claim:
 
 def test_control_messages_reach_the_handler_and_come_back_answered() -> None:
     handler = Recorder()
-    with HandshakeServer(provider, control=handler, secret=SECRET) as srv:
-        reply = send_control("127.0.0.1", srv.port, _claim("old", "new"), timeout=5.0, secret=SECRET)
-        assert reply == wire.ClaimReply(granted={"new": 1_900_000_000.0}, refused={"old": "expired"}, incarnation="inc-1")
+    with serve(control=handler, secret=SECRET) as srv:
+        reply = call("127.0.0.1", srv.port, _claim("old", "new"), timeout=5.0, secret=SECRET)
+        assert reply == wire.ClaimReply(granted_s={"new": 30.0}, refused={"old": "expired"}, incarnation="inc-1")
         for note in (
             wire.Done(engine_id="decode-0", rank=0, request_ids=("new",)),
             wire.Abort(engine_id="decode-0", rank=0, request_ids=("new",), reason="gave up"),
             wire.Heartbeat(engine_id="decode-0", rank=0, request_ids=("a", "b")),
         ):
-            assert send_control("127.0.0.1", srv.port, note, timeout=5.0, secret=SECRET) == wire.Ack(
+            assert call("127.0.0.1", srv.port, note, timeout=5.0, secret=SECRET) == wire.Ack(
                 live=note.request_ids
             )
         assert fetch_metadata("127.0.0.1", srv.port, timeout=5.0, secret=SECRET) == make_metadata(0)
@@ -523,19 +530,19 @@ def test_control_messages_reach_the_handler_and_come_back_answered() -> None:
         assert srv.stats["served"] == 5
 
 
-def test_control_messages_without_a_handler_are_rejected(server: HandshakeServer) -> None:
+def test_control_messages_without_a_handler_are_rejected(server: SideChannelServer) -> None:
     with pytest.raises(HandshakeError, match="unsupported"):
-        send_control("127.0.0.1", server.port, _claim("r"), timeout=5.0)
+        call("127.0.0.1", server.port, _claim("r"), timeout=5.0)
     assert server.stats["unsupported"] == 1
     assert_serves(server)
 
 
 def test_unauthenticated_control_messages_never_reach_the_handler() -> None:
     handler = Recorder()
-    with HandshakeServer(provider, control=handler, secret=SECRET) as srv:
+    with serve(control=handler, secret=SECRET) as srv:
         for secret in (None, b"wrong"):
             with pytest.raises(HandshakeError, match="unauthenticated"):
-                send_control("127.0.0.1", srv.port, _claim("r"), timeout=5.0, secret=secret)
+                call("127.0.0.1", srv.port, _claim("r"), timeout=5.0, secret=secret)
     assert handler.seen == []
 
 
@@ -544,29 +551,29 @@ def test_unauthenticated_control_messages_never_reach_the_handler() -> None:
     [
         lambda msg: 1 / 0,
         lambda msg: wire.Ack(),  # an Ack where a ClaimReply belongs
-        lambda msg: wire.ClaimReply(granted={"r": float("nan")}, incarnation="inc-1"),  # off the schema
+        lambda msg: wire.ClaimReply(granted_s={"r": float("nan")}, incarnation="inc-1"),  # off the schema
         lambda msg: None,
     ],
     ids=["raises", "wrong_kind", "off_schema", "none"],
 )
 def test_control_handler_failures_are_reported_and_do_not_kill_the_listener(bad_handler) -> None:
-    with HandshakeServer(provider, control=bad_handler) as srv:
+    with serve(control=bad_handler) as srv:
         with pytest.raises(HandshakeError, match="internal"):
-            send_control("127.0.0.1", srv.port, _claim("r"), timeout=5.0)
-        assert srv.stats["control_error"] == 1
+            call("127.0.0.1", srv.port, _claim("r"), timeout=5.0)
+        assert srv.stats["handler_error"] == 1
         assert_serves(srv)
 
 
-def test_send_control_refuses_what_is_not_a_control_message() -> None:
+def test_call_refuses_what_is_not_a_request() -> None:
     with pytest.raises(TypeError):
-        send_control("127.0.0.1", 1, wire.HandshakeRequest(rank=0), timeout=1.0)
+        call("127.0.0.1", 1, wire.Ack(), timeout=1.0)
 
 
 def test_control_reply_of_the_wrong_kind_is_malformed(zctx: zmq.Context) -> None:
     frames = [_reply(wire.Ack(live=("r",)))]
     with _fake_listener(zctx, lambda request: frames) as port:
         with pytest.raises(HandshakeError, match="malformed"):
-            send_control("127.0.0.1", port, _claim("r"), timeout=5.0)
+            call("127.0.0.1", port, _claim("r"), timeout=5.0)
         with pytest.raises(HandshakeError, match="malformed"):
             fetch_metadata("127.0.0.1", port, timeout=5.0)
 
@@ -585,7 +592,7 @@ def test_control_reply_of_the_wrong_kind_is_malformed(zctx: zmq.Context) -> None
     ],
     ids=["no_secret", "wrong_secret", "good_secret", "good_secret_str"],
 )
-def test_auth_matrix(auth_server: HandshakeServer, client_secret: bytes | str | None, outcome: str | None) -> None:
+def test_auth_matrix(auth_server: SideChannelServer, client_secret: bytes | str | None, outcome: str | None) -> None:
     if outcome is None:
         assert fetch_metadata("127.0.0.1", auth_server.port, timeout=5.0, secret=client_secret) == make_metadata(0)
         assert auth_server.stats["served"] == 1
@@ -598,14 +605,14 @@ def test_auth_matrix(auth_server: HandshakeServer, client_secret: bytes | str | 
 
 
 @pytest.mark.parametrize("offset_s", [-120.0, 120.0], ids=["old", "future"])
-def test_stale_timestamps_are_rejected(auth_server: HandshakeServer, zctx: zmq.Context, offset_s: float) -> None:
+def test_stale_timestamps_are_rejected(auth_server: SideChannelServer, zctx: zmq.Context, offset_s: float) -> None:
     request, _ = signed_request(SECRET, timestamp=time.time() + offset_s)
     body = reply_body(exchange(zctx, auth_server.port, [request]))
     assert isinstance(body, wire.HandshakeRejection) and body.reason == "stale"
     assert auth_server.stats["stale"] == 1 and auth_server.stats["served"] == 0
 
 
-def test_replayed_nonce_is_rejected(auth_server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_replayed_nonce_is_rejected(auth_server: SideChannelServer, zctx: zmq.Context) -> None:
     request, _ = signed_request(SECRET)
     first = reply_body(exchange(zctx, auth_server.port, [request]))
     assert isinstance(first, wire.HandshakeReply)
@@ -614,27 +621,27 @@ def test_replayed_nonce_is_rejected(auth_server: HandshakeServer, zctx: zmq.Cont
     assert auth_server.stats["replay"] == 1 and auth_server.stats["served"] == 1
 
 
-def test_tampered_body_fails_the_mac(auth_server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_tampered_body_fails_the_mac(auth_server: SideChannelServer, zctx: zmq.Context) -> None:
     request, _ = signed_request(SECRET, rank=0)
-    env = wire.decode_request_envelope(request)
-    forged = msgspec.structs.replace(env, body=wire.encode_request(wire.HandshakeRequest(rank=1)))
+    env = wire.REQUEST_ENVELOPE.decode(request)
+    forged = msgspec.structs.replace(env, body=wire.REQUEST.encode(wire.HandshakeRequest(rank=1)))
     body = reply_body(exchange(zctx, auth_server.port, [msgspec.msgpack.encode(forged)]))
     assert isinstance(body, wire.HandshakeRejection) and body.reason == "unauthenticated"
 
 
-def test_rejections_carry_nothing_but_the_reason(auth_server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_rejections_carry_nothing_but_the_reason(auth_server: SideChannelServer, zctx: zmq.Context) -> None:
     reply = exchange(zctx, auth_server.port, [signed_request(None)[0]])
     assert b"prefill-0" not in reply and b"agent-blob" not in reply
-    env = wire.decode_reply_envelope(reply)
-    assert isinstance(wire.decode_reply_body(env.body), wire.HandshakeRejection)
+    env = wire.REPLY_ENVELOPE.decode(reply)
+    assert isinstance(wire.REPLY.decode(env.body), wire.HandshakeRejection)
 
 
-def test_client_with_secret_refuses_an_unauthenticated_listener(server: HandshakeServer) -> None:
+def test_client_with_secret_refuses_an_unauthenticated_listener(server: SideChannelServer) -> None:
     with pytest.raises(HandshakeError, match="not authenticated"):
         fetch_metadata("127.0.0.1", server.port, timeout=5.0, secret=SECRET)
 
 
-def test_replayed_reply_fails_the_clients_check(auth_server: HandshakeServer, zctx: zmq.Context) -> None:
+def test_replayed_reply_fails_the_clients_check(auth_server: SideChannelServer, zctx: zmq.Context) -> None:
     # Record a genuine reply to someone else's nonce, then serve it from an impostor listener.
     recorded = exchange(zctx, auth_server.port, [signed_request(SECRET)[0]])
     assert isinstance(reply_body(recorded), wire.HandshakeReply)
@@ -647,7 +654,7 @@ def test_secret_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(SECRET_ENV, SECRET.decode())
     assert resolve_secret() == SECRET
     assert resolve_secret(b"explicit") == b"explicit"
-    with HandshakeServer(provider) as srv:
+    with serve() as srv:
         assert srv.authenticated
         assert fetch_metadata("127.0.0.1", srv.port, timeout=5.0) == make_metadata(0)
         with pytest.raises(HandshakeError, match="unauthenticated"):
@@ -662,7 +669,7 @@ def test_empty_secret_is_refused() -> None:
 
 def test_replay_cache_forgets_after_its_window_and_fails_closed_when_full() -> None:
     now = [0.0]
-    cache = _ReplayCache(capacity=2, ttl_s=60.0, clock=lambda: now[0])
+    cache = ReplayCache(capacity=2, ttl_s=60.0, clock=lambda: now[0])
     assert cache.add(b"a") is None
     assert cache.add(b"a") == "replay"
     assert cache.add(b"b") is None
@@ -741,7 +748,7 @@ def _answer(payload: EngineMetadata | bytes) -> bytes:
     """A reply carrying rank 0's fingerprint around `payload`."""
     if isinstance(payload, EngineMetadata):
         payload = msgspec.msgpack.encode(payload)
-    return _reply(wire.HandshakeReply(compat=make_metadata(0).compat(), payload=payload))
+    return _reply(wire.HandshakeReply(compat=make_metadata(0).compat, payload=payload))
 
 
 @pytest.mark.parametrize(
@@ -772,23 +779,23 @@ def test_reply_from_another_protocol_version_names_the_version(zctx: zmq.Context
 
 def test_incompatibility_is_found_before_the_payload_is_decoded(zctx: zmq.Context) -> None:
     # The payload is garbage: an error naming block_size proves the fingerprint was checked first.
-    compat = make_metadata(0, block_size=32).compat()
+    compat = make_metadata(0, block_size=32).compat
     frames = [_reply(wire.HandshakeReply(compat=compat, payload=b"\xc1 not metadata"))]
     with _fake_listener(zctx, lambda request: frames) as port:
-        _assert_fails_in_time(port, "block_size", timeout=5.0, expect=make_metadata(0).compat())
+        _assert_fails_in_time(port, "block_size", timeout=5.0, expect=make_metadata(0).compat)
 
 
 def test_incompatible_listener_is_reported_field_by_field() -> None:
     def other(rank: int) -> EngineMetadata:
         return make_metadata(rank, block_size=32, dtype="float8_e4m3fn")
 
-    with HandshakeServer(other) as srv:
+    with serve(other) as srv:
         with pytest.raises(wire.IncompatiblePeerError) as info:
-            fetch_metadata("127.0.0.1", srv.port, timeout=5.0, expect=make_metadata(0).compat())
+            fetch_metadata("127.0.0.1", srv.port, timeout=5.0, expect=make_metadata(0).compat)
     message = str(info.value)
     assert "block_size" in message and "16" in message and "32" in message
     assert "dtype" in message and "float8_e4m3fn" in message
-    assert "layout" not in message.replace("layout_fingerprint", "")
+    assert "layout" not in message
 
 
 def test_fetch_validates_its_arguments() -> None:
@@ -804,7 +811,7 @@ def _open_fds() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
-def test_fetches_leave_no_socket_behind(server: HandshakeServer) -> None:
+def test_fetches_leave_no_socket_behind(server: SideChannelServer) -> None:
     dead_port = free_port()
     fetch_metadata("127.0.0.1", server.port, timeout=5.0)  # warm the client context
     before = _open_fds()
@@ -820,42 +827,23 @@ def test_fetches_leave_no_socket_behind(server: HandshakeServer) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Peer directory
+# Many peers at once
 
 
-def test_peer_directory_tracks_incarnations_and_expires_entries() -> None:
-    now = [0.0]
-    peers = PeerDirectory(ttl_s=10.0, clock=lambda: now[0])
-    first = make_metadata(0)
-    assert peers.put(first) is True  # new peer: the transport adds it
-    assert peers.put(first) is False  # same incarnation: a refresh
-    assert peers.get("prefill-0", 0) is first
-    assert peers.get("prefill-0", 1) is None
+def test_call_many_answers_each_peer_alone_within_one_deadline() -> None:
+    from kvconnect.sidechannel import Target, call_many
 
-    restarted = make_metadata(0, incarnation="b" * 32)
-    assert peers.put(restarted) is True  # came back: the transport must re-add it
-    assert peers.get("prefill-0", 0) is restarted
-
-    assert peers.put(make_metadata(1)) is True
-    now[0] = 5.0
-    assert peers.put(make_metadata(1)) is False  # refresh pushes rank 1's expiry to 15
-    now[0] = 10.0
-    assert peers.expire() == [restarted]
-    assert peers.get("prefill-0", 0) is None
-    assert len(peers) == 1
-    now[0] = 15.0
-    assert peers.get("prefill-0", 1) is None
-    assert peers.put(make_metadata(1)) is True  # expired entries count as new
-    assert peers.remove("prefill-0", 1) == make_metadata(1)
-    assert len(peers) == 0
-
-
-def test_peer_directory_keys_by_engine_and_rank() -> None:
-    peers = PeerDirectory(ttl_s=60.0)
-    assert peers.put(make_metadata(0))
-    assert peers.put(make_metadata(0, engine_id="prefill-1"))
-    assert peers.put(make_metadata(1))
-    assert len(peers) == 3
+    dead = free_port()
+    beat = wire.Heartbeat(engine_id="decode-0", rank=0, request_ids=("r",))
+    with serve(control=Recorder()) as live, serve(control=Recorder()) as other:
+        targets = [Target("127.0.0.1", live.port, beat), Target("127.0.0.1", dead, beat),
+                   Target("127.0.0.1", other.port, wire.HandshakeRequest(rank=1))]
+        t0 = time.monotonic()
+        results = call_many(targets, timeout=1.0)
+        assert time.monotonic() - t0 < 1.0 + MARGIN_S
+    assert results[0] == wire.Ack(live=("r",))
+    assert isinstance(results[1], HandshakeError) and "no connection" in str(results[1])
+    assert isinstance(results[2], wire.HandshakeReply)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -869,23 +857,28 @@ _OPTIMIZED_SCRIPT = textwrap.dedent(
     except AssertionError:
         sys.exit("not running under -O")
     from kvconnect import HandshakeError, wire
-    from kvconnect.handshake import HandshakeServer, fetch_metadata
+    from kvconnect.sidechannel import SideChannelServer, fetch_metadata, metadata_handler
 
     def check(ok, what):
         if not ok:
             sys.exit("FAILED: " + what)
 
+    group = wire.GroupCompat(label="kv", block_size=16, page_bytes=(64,), layers="x")
+    compat = wire.Compat(transport="t", layout="LBHNC", dtype="bfloat16", block_size=16, groups=(group,))
+    region = wire.RegionMeta(names=("l",), base_addr=4096, num_blocks=4, block_bytes=64, block_stride=64,
+                             device_id=0, memory_kind="DRAM")
     meta = wire.EngineMetadata(engine_id="e", incarnation="i", rank=0, world_size=1, transport="t",
-                               block_size=16, layout="LBHNC", dtype="bfloat16")
+                               regions=(region,), group_regions=((0,),), block_size=16, layout="LBHNC",
+                               dtype="bfloat16", compat=compat)
     secret = b"s" * 32
-    with HandshakeServer(lambda rank: meta if rank == 0 else None) as plain, \\
-         HandshakeServer(lambda rank: meta, secret=secret) as auth:
+    with SideChannelServer(metadata_handler(lambda rank: meta if rank == 0 else None)) as plain, \\
+         SideChannelServer(metadata_handler(lambda rank: meta), secret=secret) as auth:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect("tcp://127.0.0.1:%d" % plain.port)
         for frames in ([b"x"], [b"a", b"b"], [b"\\x00" * 100000], [msgspec.msgpack.encode({"rank": 0})],
-                       [msgspec.msgpack.encode({"protocol_version": 1, "body": b"\\xc1"})]):
+                       [msgspec.msgpack.encode({"protocol_version": wire.PROTOCOL_VERSION, "body": b"\\xc1"})]):
             sock.send_multipart(frames)
         deadline = time.monotonic() + 10
         while plain.stats["dropped"] < 5 and time.monotonic() < deadline:
@@ -904,12 +897,13 @@ _OPTIMIZED_SCRIPT = textwrap.dedent(
                 check(reason in str(exc), str(exc))
         check(fetch_metadata("127.0.0.1", auth.port, timeout=5, secret=secret) == meta, "auth fetch")
         try:
-            wire.check_compat(meta.compat(), wire.Compat(transport="t", layout="LBHNC", dtype="fp8", block_size=16))
+            wire.check_compat(meta.compat, wire.Compat(transport="t", layout="LBHNC", dtype="fp8", block_size=16,
+                                                       groups=(group,)))
             check(False, "incompatible accepted")
         except HandshakeError as exc:
             check("dtype" in str(exc), str(exc))
         try:
-            HandshakeServer(lambda rank: meta, host="0.0.0.0")
+            SideChannelServer(metadata_handler(lambda rank: meta), host="0.0.0.0")
             check(False, "wildcard accepted")
         except ValueError:
             pass

@@ -1,0 +1,42 @@
+"""The vLLM adapter: our connectors behind vLLM's KVConnectorBase_V1 (the only package importing vLLM).
+
+Three connector names are registered with vLLM's KVConnectorFactory (see `register`):
+``KVConnectNixl`` and ``KVConnectMooncake`` (P/D disaggregation, pull mode) and ``KVConnectOffload``
+(a host-memory KV tier). `kv_connector_module_path="kvconnect.integrations.vllm"` reaches them
+without the plugin.
+
+Modules: `connectors` (the facades vLLM builds), `pd_scheduler`/`pd_worker` and
+`offload_scheduler`/`offload_worker` (each connector's two halves), `config` (extra config),
+`meta` (scheduler <-> worker messages), `params` (vLLM's kv_transfer_params), `groups` (KV-cache
+groups), `stats` (connector stats and stats files).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvconnect.integrations import CONNECTOR_NAMES
+from kvconnect.integrations.vllm.connectors import KVConnectMooncake, KVConnectNixl, KVConnectOffload
+
+__all__ = ["KVConnectMooncake", "KVConnectNixl", "KVConnectOffload", "register"]
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register our connector names with vLLM's KVConnectorFactory; a second call is a no-op."""
+    global _registered
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with _register_lock:
+        if _registered:
+            return
+        for name in CONNECTOR_NAMES:
+            if name in KVConnectorFactory._registry:  # registered by another plugin load in this process
+                continue
+            try:
+                KVConnectorFactory.register_connector(name, __name__, name)
+            except ValueError:  # raced with another registration: already there is what we want
+                pass
+        _registered = True

@@ -1,0 +1,91 @@
+"""`kv_connector_extra_config` of our vLLM connectors, as typed structs checked when vLLM builds them.
+
+Unknown keys, wrong types, non-positive durations and transport options the backend does not take
+are errors naming the connector and the key, raised before the model loads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from kvconnect.errors import KVConnectError
+from kvconnect.sidechannel.addresses import check_bind
+from kvconnect.transport import check_transport_options
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_Seconds = Annotated[float, Meta(gt=0, le=86400)]
+_Path = Annotated[str, Meta(min_length=1)]
+_Struct: Any = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
+
+ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+# Keys that were renamed: the old spelling fails with the new name.
+RENAMED = {"load_deadline_s": "load_timeout_s"}
+
+
+class PDConfig(msgspec.Struct, **_Struct):
+    """Extra config of KVConnectNixl and KVConnectMooncake."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    advertise_host: str | None = None
+    allow_wildcard: bool = False
+    secret: Annotated[str, Meta(min_length=1)] | None = None
+    lease_s: _Seconds = 30.0
+    load_timeout_s: _Seconds = 60.0
+    handshake_timeout_s: _Seconds = 5.0
+    heartbeat_s: _Seconds = 5.0
+    transport_options: dict[str, Any] = {}
+    stats_path: _Path | None = None
+
+
+class OffloadConfig(msgspec.Struct, **_Struct):
+    """Extra config of KVConnectOffload."""
+
+    cpu_bytes: Annotated[int, Meta(gt=0)] | None = None
+    cpu_gib: Annotated[float, Meta(gt=0)] | None = None
+    policy: Literal["lru", "arc"] = "lru"
+    salt: str = ""
+    timeout_s: _Seconds = 60.0
+    stats_path: _Path | None = None
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The tier's size in bytes (1 GiB when neither key is given)."""
+        if self.cpu_bytes is not None:
+            return self.cpu_bytes
+        return int((1.0 if self.cpu_gib is None else self.cpu_gib) * (1 << 30))
+
+
+def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: str, backend: str = "") -> Any:
+    """The connector's extra config as `kind`; ValueError naming the connector and the key otherwise."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    for old, new in RENAMED.items():
+        if old in extra:
+            raise ValueError(f"{connector}: kv_connector_extra_config[{old!r}] was renamed {new!r}")
+    try:
+        cfg = msgspec.convert(extra, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        keys = ", ".join(kind.__struct_fields__)
+        raise ValueError(f"{connector}: kv_connector_extra_config: {exc} (keys: {keys})") from None
+    try:
+        if isinstance(cfg, PDConfig):
+            check_bind(cfg.host, allow_wildcard=cfg.allow_wildcard)
+            check_transport_options(backend, cfg.transport_options)
+        elif cfg.cpu_bytes is not None and cfg.cpu_gib is not None:
+            raise ValueError("give cpu_bytes or cpu_gib, not both")
+    except (ValueError, KVConnectError) as exc:
+        raise ValueError(f"{connector}: kv_connector_extra_config: {exc}") from None
+    return cfg
+
+
+def kv_role(vllm_config: VllmConfig, connector: str) -> str:
+    """Our role for vLLM's kv_role; ValueError for anything else."""
+    role = vllm_config.kv_transfer_config.kv_role
+    if role not in ROLES:
+        raise ValueError(f"{connector}: kv_role must be one of {sorted(ROLES)}, got {role!r}")
+    return ROLES[role]

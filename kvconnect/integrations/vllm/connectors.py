@@ -1,0 +1,208 @@
+"""Our three vLLM connectors: thin facades over one scheduler-side and one worker-side object.
+
+vLLM builds each connector twice, in the scheduler process (role SCHEDULER) and in each worker
+(role WORKER). A facade builds the half its role needs and forwards vLLM's hooks to it; every
+decision lives in `pd_scheduler`/`offload_scheduler`, every byte in `pd_worker`/`offload_worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvconnect.integrations.vllm.config import OffloadConfig, PDConfig, kv_role, read_extra
+from kvconnect.integrations.vllm.groups import kv_groups
+from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
+from kvconnect.integrations.vllm.offload_worker import OffloadWorker
+from kvconnect.integrations.vllm.pd_scheduler import PDScheduler
+from kvconnect.integrations.vllm.pd_worker import PDWorker
+from kvconnect.integrations.vllm.stats import KVConnectStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvconnect.vllm")
+
+# vLLM's attention layout names, as kvconnect's logical-order names (compared at handshake).
+_LAYOUTS = {"HND": "LBHNC", "NHD": "LBNHC"}
+
+
+def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return _LAYOUTS.get(str(name), "LBHNC")
+
+
+class _Facade(KVConnectorBase_V1, SupportsHMA):
+    """What every kvconnect connector does the same way: the worker hooks and stats plumbing."""
+
+    scheduler: Any = None
+    worker: Any = None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._connector_metadata is not None:
+            self.worker.start(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the forward pass reads them (asynchronous, whole-request)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # blocks are handed over after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._connector_metadata is not None:
+            self.worker.after_forward(self._connector_metadata)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return None if self.worker is None else self.worker.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVConnectStats(data=dict(data or {}))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output.num_scheduled_tokens)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
+        return self.scheduler.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        for half in (self.scheduler, self.worker):
+            if half is not None:
+                half.shutdown()
+
+
+class _PDConnector(_Facade):
+    """P/D disaggregation (pull) on kvconnect's KVConnector; subclasses set `backend`."""
+
+    backend = ""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        name = type(self).__name__
+        config = read_extra(vllm_config, PDConfig, name, self.backend)
+        our_role = kv_role(vllm_config, name)
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        if tp > 1:
+            # Transfer params name one side channel and one rank's blocks: with TP every decode rank
+            # would pull rank 0's shard. Refuse rather than move the wrong bytes.
+            raise ValueError(f"{name}: tensor_parallel_size={tp} is not supported yet; run one instance per "
+                             "device (tensor_parallel_size=1) and scale out with more instances")
+        groups = kv_groups(kv_cache_config, name)
+        block_size = int(vllm_config.cache_config.block_size)
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = PDScheduler(config, engine_id=engine_id, block_size=block_size,
+                                         num_groups=max(1, len(groups)),
+                                         blocks_of=lambda rid: self._kv_cache_manager.get_block_ids(rid))
+        else:
+            self.worker = PDWorker(config, engine_id=engine_id, role=our_role, backend=self.backend,
+                                   block_size=block_size, layout=_layout(vllm_config, kv_cache_config), groups=groups)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.scheduler.set_handshake(metadata)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def pd_stats(self) -> dict[str, int]:
+        """Scheduler side: requests handed out, released, and blocks still held for consumers."""
+        return self.scheduler.stats()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+
+class KVConnectNixl(_PDConnector):
+    """P/D over NIXL (UCX)."""
+
+    backend = "nixl"
+
+
+class KVConnectMooncake(_PDConnector):
+    """P/D over the Mooncake transfer engine."""
+
+    backend = "mooncake"
+
+
+class KVConnectOffload(_Facade):
+    """A host-memory KV tier: finished requests' full blocks are stored, prefix hits are loaded back."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        name = type(self).__name__
+        config = read_extra(vllm_config, OffloadConfig, name)
+        groups = kv_groups(kv_cache_config, name)
+        if len(groups) > 1:
+            raise ValueError(f"{name} does not support models with several KV-cache groups (hybrid or "
+                             f"sliding-window mixes) yet: this model has {len(groups)}")
+        slot_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+        num_slots = config.capacity_bytes // max(slot_bytes, 1)
+        if num_slots == 0:
+            raise ValueError(f"{name}: a tier of {config.capacity_bytes} bytes cannot hold one block ({slot_bytes} bytes)")
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = OffloadScheduler(config, block_size=int(vllm_config.cache_config.block_size),
+                                              num_slots=num_slots, slot_bytes=slot_bytes)
+        else:
+            self.worker = OffloadWorker(num_slots=num_slots, slot_bytes=slot_bytes, timeout_s=config.timeout_s,
+                                        connector=name)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_meta()
+
+    def offload_stats(self) -> dict[str, Any]:
+        """The tier's counters (scheduler side): lookups, hits, misses, stores, loads, bytes..."""
+        return self.scheduler.stats()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.finished_sending() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.invalid_blocks()
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False

@@ -1,0 +1,93 @@
+"""What the scheduler-side connector and the worker-side ones tell each other.
+
+vLLM builds one connector in the scheduler process and one per worker; they share no memory. The
+scheduler's decisions travel in `KVConnectMeta` (one per step); each worker announces its side
+channel once in `KVConnectHandshake`, and reports what the finished sets cannot say (a store that
+failed) in `KVConnectWorkerMeta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+_Struct: Any = dict(frozen=True, kw_only=True)
+
+
+class Hold(msgspec.Struct, **_Struct):
+    """Prefill: this request's prompt is computed; hold its blocks (one list per KV group) under a lease."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    num_tokens: int
+
+
+class Load(msgspec.Struct, **_Struct):
+    """Decode: pull the blocks that `params` (vLLM's kv_transfer_params) name into these local blocks."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    params: dict[str, Any]
+
+
+class Release(msgspec.Struct, **_Struct):
+    """Decode: the engine already holds every block `params` name; tell the producer to free them."""
+
+    request_id: str
+    params: dict[str, Any]
+
+
+class OffloadLoad(msgspec.Struct, **_Struct):
+    """Offload: copy tier slots into these blocks before the forward pass."""
+
+    block_ids: list[int]
+    slots: list[int]
+
+
+class OffloadStore(msgspec.Struct, **_Struct):
+    """Offload: copy a finished request's blocks into these tier slots."""
+
+    request_id: str
+    block_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
+class KVConnectMeta(KVConnectorMetadata):
+    """Scheduler -> worker, every step."""
+
+    holds: list[Hold] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    offload_loads: list[OffloadLoad] = field(default_factory=list)
+    offload_stores: list[OffloadStore] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once: where the worker's producer side channel listens."""
+
+    engine_id: str
+    host: str
+    port: int
+    incarnation: str
+
+
+@dataclass
+class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: offload stores that failed (their keys must not be published)."""
+
+    failed_stores: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVConnectWorkerMeta):
+            self.failed_stores |= other.failed_stores
+        return self

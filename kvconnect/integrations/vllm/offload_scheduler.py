@@ -1,0 +1,117 @@
+"""The scheduler-side half of KVConnectOffload: which blocks to load from the tier and which to store.
+
+The scheduler owns the tier's bookkeeping (an `OffloadManager`: keys, slots, eviction, pins); the
+worker owns the bytes. A prefix hit pins its slots until the step that loads them has run; a finished
+request's new blocks get slots and are copied by the worker after that step's forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvconnect.integrations.vllm.config import OffloadConfig
+from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
+from kvconnect.integrations.vllm.stats import StatsFile
+from kvconnect.offload.keys import block_keys
+from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class OffloadScheduler:
+    """Prefix lookups, load plans and store plans for one engine's host tier."""
+
+    def __init__(self, config: OffloadConfig, *, block_size: int, num_slots: int, slot_bytes: int):
+        self.block_size = block_size
+        self.salt = config.salt.encode()
+        self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
+        self._keys: dict[str, tuple[int, list[bytes]]] = {}
+        self._computed: dict[str, int] = {}
+        self._meta = KVConnectMeta()
+        self._pending_loads: list[LoadPlan] = []
+        self._load_batches: list[list[LoadPlan]] = []  # load plans per built step, unpinned when it reported
+        self._stores: dict[str, StorePlan] = {}
+        self._stats_file = StatsFile(config.stats_path)
+
+    def _keys_of(self, request: Request) -> list[bytes]:
+        tokens = request.prompt_token_ids or []
+        got = self._keys.get(request.request_id)
+        if got is None or got[0] != len(tokens):
+            got = (len(tokens), block_keys(tokens, self.block_size, salt=self.salt))
+            self._keys[request.request_id] = got
+        return got[1]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Leading prompt blocks the tier holds beyond what vLLM computed (the last prompt token never)."""
+        n_prompt = len(request.prompt_token_ids or ())
+        if n_prompt < 2 or num_computed_tokens % self.block_size:
+            return 0, False
+        keys = self._keys_of(request)
+        limit = min(len(keys), (n_prompt - 1) // self.block_size)
+        start = num_computed_tokens // self.block_size
+        hits = 0
+        while start + hits < limit and self.manager.contains(keys[start + hits]):
+            hits += 1
+        self._computed[request.request_id] = num_computed_tokens
+        return hits * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Pin the hit's slots and tell the worker to load them into the allocated blocks."""
+        if num_external_tokens <= 0:
+            return
+        keys = self._keys_of(request)
+        start = self._computed.get(request.request_id, 0) // self.block_size
+        nblk = num_external_tokens // self.block_size
+        ids = blocks.get_block_ids()[0][start:start + nblk]
+        self.manager.lookup(keys)  # counted once per admitted request, for the hit/miss stats
+        plan = self.manager.prepare_load(keys[start:start + nblk])
+        self._meta.offload_loads.append(OffloadLoad(block_ids=[int(i) for i in ids], slots=plan.slots.tolist()))
+        self._pending_loads.append(plan)
+
+    def build_meta(self) -> KVConnectMeta:
+        """This step's loads and stores."""
+        meta, self._meta = self._meta, KVConnectMeta()
+        self._load_batches.append(self._pending_loads)
+        self._pending_loads = []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The oldest step's loads ran: unpin them; stores the worker finished are published."""
+        if self._load_batches:
+            for plan in self._load_batches.pop(0):
+                self.manager.complete_load(plan, True)
+        meta = output.kv_connector_worker_meta
+        failed = meta.failed_stores if isinstance(meta, KVConnectWorkerMeta) else set()
+        for rid in output.finished_sending or ():
+            plan = self._stores.pop(rid, None)
+            if plan is not None:
+                self.manager.complete_store(plan, rid not in failed)
+        self._stats_file.write(self.stats())
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Store the full blocks of a finished request that the tier does not hold yet."""
+        rid = request.request_id
+        self._keys.pop(rid, None)
+        self._computed.pop(rid, None)
+        ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
+        ntok = min(request.num_computed_tokens, len(request.all_token_ids))
+        keys = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)[:len(ids)]
+        if not keys:
+            return False, None
+        plan = self.manager.prepare_store(keys)
+        if len(plan) == 0:
+            return False, None
+        src = np.asarray(ids, dtype=np.int64)[plan.positions]
+        self._meta.offload_stores.append(OffloadStore(request_id=rid, block_ids=src.tolist(), slots=plan.slots.tolist()))
+        self._stores[rid] = plan
+        return True, None
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's counters: lookups, hits, misses, stores, loads, evictions, bytes, resident, capacity..."""
+        s = self.manager.stats()
+        return {f: getattr(s, f) for f in s.__dataclass_fields__}

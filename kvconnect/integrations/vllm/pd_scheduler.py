@@ -1,0 +1,162 @@
+"""The scheduler-side half of KVConnectNixl and KVConnectMooncake: what to hold, load, release, abort.
+
+Prefill: a request with `do_remote_decode` is tracked; in the step that computes the end of its
+prompt the worker is told to hold its blocks (`Hold`), right after that forward pass and before the
+engine can return the request; `request_finished` then keeps the blocks and hands out the params.
+Decode: a request with `do_remote_prefill` is an asynchronous external hit for its whole prompt; its
+producer's lease is heartbeated from the moment the scheduler sees it (`on_new_request`), so a long
+queue never loses it; after allocation the worker is told which local blocks to pull into (`Load`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvconnect import wire
+from kvconnect.errors import KVConnectError
+from kvconnect.integrations.vllm.config import PDConfig
+from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Load, Release
+from kvconnect.integrations.vllm.params import from_vllm, to_vllm, wants_remote_decode, wants_remote_prefill
+from kvconnect.integrations.vllm.stats import StatsFile
+from kvconnect.pd.keeper import LeaseKeeper
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvconnect.vllm")
+
+
+class PDScheduler:
+    """Decides, per step, which requests' blocks the worker holds, pulls, releases or aborts."""
+
+    def __init__(self, config: PDConfig, *, engine_id: str, block_size: int, num_groups: int,
+                 blocks_of: Callable[[str], tuple[list[int], ...]]):
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self._blocks_of = blocks_of
+        self._peer: KVConnectHandshake | None = None
+        self._meta = KVConnectMeta()
+        self._prefilling: dict[str, Request] = {}  # do_remote_decode requests not yet held
+        self._held: dict[str, tuple[list[list[int]], int, float]] = {}  # ids, tokens, hold time
+        self._sending: dict[str, int] = {}  # request -> blocks vLLM keeps for it until finished_sending
+        self._loading: dict[str, str] = {}  # decode request -> producer request id it reads
+        self._counters = {"handed_out": 0, "released": 0}
+        self._stats_file = StatsFile(config.stats_path)
+        self._keeper = LeaseKeeper(engine_id=engine_id, secret=config.secret, heartbeat_s=config.heartbeat_s,
+                                   timeout_s=config.handshake_timeout_s)
+
+    # ---- decode side ----
+
+    def on_new_request(self, request: Request) -> None:
+        """A decode request's producer lease is kept alive from now until its load ends."""
+        if not wants_remote_prefill(request.kv_transfer_params):
+            return
+        try:
+            params = from_vllm(request.kv_transfer_params)
+        except KVConnectError:
+            return  # the load refuses them with the reason once the request is scheduled
+        self._keeper.track(params)
+        self._loading[request.request_id] = params.request_id
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The whole rest of the prompt is an asynchronous external hit for a remotely prefilled request."""
+        if wants_remote_prefill(request.kv_transfer_params):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Tell the worker to pull into the allocated blocks (or, with nothing to pull, to release the lease)."""
+        params = request.kv_transfer_params
+        if wants_remote_decode(params):
+            self._prefilling[request.request_id] = request
+        elif wants_remote_prefill(params):
+            params["do_remote_prefill"] = False  # one transfer per request
+            if num_external_tokens > 0:
+                local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+                self._meta.loads.append(Load(request_id=request.request_id, block_ids=local, params=dict(params)))
+            else:
+                # A full local prefix hit: nothing to pull, but the producer must free its blocks.
+                self._meta.releases.append(Release(request_id=request.request_id, params=dict(params)))
+                self._stop_keeping(request.request_id)
+
+    # ---- prefill side ----
+
+    def build_meta(self, scheduled: dict[str, int]) -> KVConnectMeta:
+        """This step's instructions; holds for every tracked prompt computed to its end in this step."""
+        meta, self._meta = self._meta, KVConnectMeta()
+        for rid, req in list(self._prefilling.items()):
+            n = scheduled.get(rid, 0)
+            if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
+                ntok = req.num_prompt_tokens
+                nblk = math.ceil(ntok / self.block_size)
+                ids = [list(g[:nblk]) for g in self._blocks_of(rid)]
+                meta.holds.append(Hold(request_id=rid, block_ids=ids, num_tokens=ntok))
+                self._held[rid] = (ids, ntok, time.time())
+                del self._prefilling[rid]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: keep a held request's blocks and hand out its params. Decode: abort a load in flight."""
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        self._prefilling.pop(rid, None)
+        if rid in self._loading:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self._meta.aborts.append(rid)  # vLLM frees the blocks once the worker reports the load ended
+            self._stop_keeping(rid)
+        held = self._held.pop(rid, None)
+        if held is None:
+            return False, None
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not finished or self._peer is None:
+            if self._peer is None:
+                log.error("kvconnect: no handshake metadata from the worker; cannot hand out %s", rid)
+            self._meta.aborts.append(rid)
+            return False, None
+        ids, ntok, t0 = held
+        self._sending[rid] = sum(len(g) for g in ids)
+        self._counters["handed_out"] += 1
+        p = wire.TransferParams(engine_id=self._peer.engine_id, host=self._peer.host, port=self._peer.port,
+                                request_id=rid, block_ids=ids, num_tokens=ntok,
+                                lease_expiry=t0 + self.config.lease_s, incarnation=self._peer.incarnation)
+        return True, to_vllm(p)
+
+    def set_handshake(self, metadata: dict[int, KVConnectHandshake]) -> None:
+        """The worker's side channel (rank 0's), which transfer params point decode instances at."""
+        if 0 in metadata:
+            self._peer = metadata[0]
+
+    # ---- both ----
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Loads that ended stop being kept alive; released sends are counted."""
+        for rid in output.finished_recving or ():
+            self._stop_keeping(rid)
+        for rid in output.finished_sending or ():
+            if self._sending.pop(rid, None) is not None:
+                self._counters["released"] += 1
+        self._stats_file.write(self.stats())
+
+    def stats(self) -> dict[str, int]:
+        """Requests handed out and released, blocks still held for consumers, leases being kept alive."""
+        return {**self._counters, "held_requests": len(self._sending), "held_blocks": sum(self._sending.values()),
+                "kept_alive": self._keeper.tracked}
+
+    def shutdown(self) -> None:
+        """Stop heartbeating."""
+        self._keeper.close()
+
+    def _stop_keeping(self, rid: str) -> None:
+        remote = self._loading.pop(rid, None)
+        if remote is not None:
+            self._keeper.untrack(remote)

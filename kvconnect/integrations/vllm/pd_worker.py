@@ -1,0 +1,111 @@
+"""The worker-side half of KVConnectNixl and KVConnectMooncake: does what the scheduler decided.
+
+Holds blocks right after the forward pass that computed a prompt's end (`wait_for_save`), starts and
+aborts pulls before the next one (`start_load_kv`), and reports what ended: sends whose blocks vLLM
+may free, loads that finished, loads that failed (in `finished_recving` and `failed_recving` both,
+only once nothing can still land in their blocks, so vLLM never reuses a block under a READ).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
+from kvconnect.errors import KVConnectError
+from kvconnect.integrations.vllm.config import PDConfig
+from kvconnect.integrations.vllm.meta import KVConnectHandshake, KVConnectMeta
+from kvconnect.integrations.vllm.params import from_vllm
+from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
+
+log = logging.getLogger("kvconnect.vllm")
+
+
+class PDWorker:
+    """One engine worker's kvconnect core, driven by the scheduler's per-step instructions."""
+
+    def __init__(self, config: PDConfig, *, engine_id: str, role: str, backend: str, block_size: int,
+                 layout: str, groups: Sequence[KVGroup]):
+        self.core_config = ConnectorConfig(
+            engine_id=engine_id, role=role, backend=backend, host=config.host, port=config.port,
+            advertise_host=config.advertise_host, allow_wildcard=config.allow_wildcard, secret=config.secret,
+            lease_s=config.lease_s, load_timeout_s=config.load_timeout_s,
+            handshake_timeout_s=config.handshake_timeout_s, heartbeat_s=config.heartbeat_s, block_size=block_size,
+            layout=layout, groups=list(groups) or None, transport_options=dict(config.transport_options))
+        self.core: KVConnector | None = None
+        self._held: set[str] = set()  # requests this worker holds blocks for
+        self._abandoned: set[str] = set()  # held, but vLLM freed the blocks itself: never report as sent
+        self._refused: dict[str, str] = {}  # loads refused at start, reported at the next results
+        self._stats = StepStats(with_metrics=True)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the engine's KV tensors with a new core (transport, side channel, consumer)."""
+        core = KVConnector(self.core_config)
+        core.register_kv_caches(kv_caches)
+        self.core = core
+
+    def handshake(self) -> KVConnectHandshake | None:
+        """Where this worker's producer side channel listens (None without a producer side)."""
+        if self.core is None or self.core.producer is None:
+            return None
+        host, port = self.core.side_channel
+        return KVConnectHandshake(engine_id=self.core_config.engine_id, host=host, port=port,
+                                  incarnation=self.core.metadata.incarnation)
+
+    def start(self, meta: KVConnectMeta) -> None:
+        """Before the forward pass: start this step's pulls, send its releases, then its aborts."""
+        core = self.core
+        for load in meta.loads:
+            try:
+                core.start_load(from_vllm(load.params), load.block_ids, handle=load.request_id)
+            except KVConnectError as exc:  # bad params or ids: the request fails as the policy says
+                log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s", load.request_id, exc)
+                self._refused[load.request_id] = str(exc)
+        for release in meta.releases:
+            try:
+                core.release_remote(from_vllm(release.params))
+            except KVConnectError as exc:
+                log.info("kvconnect: could not release the remote blocks of %s: %s", release.request_id, exc)
+        for rid in meta.aborts:
+            if rid in self._held:
+                self._abandoned.add(rid)
+            core.abort(rid)
+
+    def after_forward(self, meta: KVConnectMeta) -> None:
+        """The forward pass that wrote these prompts' KV is done: hold them before vLLM can return them."""
+        for hold in meta.holds:
+            self.core.request_finished(hold.request_id, hold.block_ids, hold.num_tokens)
+            self._held.add(hold.request_id)
+
+    def results(self) -> KVConnectorTransferResults:
+        """Sends whose blocks are free again and loads that ended since the last call."""
+        out = KVConnectorTransferResults()
+        if self.core is None:
+            return out
+        fin = self.core.get_finished()
+        for rid in fin.sending:
+            self._held.discard(rid)
+            if rid in self._abandoned:
+                self._abandoned.discard(rid)
+            else:
+                out.finished_sending.add(rid)
+        failed = {h: str(f) for h, f in fin.failed.items()}
+        failed.update(self._refused)
+        self._refused = {}
+        out.finished_recving.update(fin.loaded, failed)
+        out.failed_recving.update(failed)
+        self._stats.add(loads_ok=len(fin.loaded), loads_failed=len(failed), sends_done=len(out.finished_sending))
+        return out
+
+    def stats(self) -> KVConnectStats | None:
+        """This interval's counters, kvconnect's Prometheus increments included."""
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        """Close the core (side channel, consumer, transport)."""
+        core, self.core = self.core, None
+        if core is not None:
+            core.close()
