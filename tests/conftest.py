@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvconnect.connector import ConnectorConfig, Finished, KVConnector
 from kvconnect.layout import KVCacheLayout
-from pd_peer import (Answer, Channel, Command, Hello, Ready, Setup, Topology, decode_value, join_address)
+from kvconnect.transport import make_transport
+from pd_peer import (Answer, Channel, Command, Hello, Ready, Setup, Topology, decode_value, join_address,
+                     make_caches)
 
 
 def random_bytes_(tensor: torch.Tensor, seed: int) -> torch.Tensor:
@@ -198,8 +201,8 @@ class ProducerProcess:
 
 
 @pytest.fixture
-def producers():
-    """Start producer processes with `producers(kind, num_blocks, seed, **kw)`; all stopped at teardown."""
+def producer_processes():
+    """Start producer processes with `producer_processes(kind, num_blocks, seed, **kw)`; all stopped at teardown."""
     started: list[ProducerProcess] = []
 
     def start(*args, **kw) -> ProducerProcess:
@@ -210,3 +213,101 @@ def producers():
     yield start
     for p in started:
         p.stop()
+
+
+# ---- P/D between a producer process and consumers in this process, on the backend under test ----
+
+BACKENDS = ["nixl", "mooncake"]
+PRODUCER_SEED, CONSUMER_SEED = 101, 202
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    """The transport under test."""
+    return request.param
+
+
+@pytest.fixture
+def producers(producer_processes, backend):
+    """Producer processes on the backend under test."""
+    return lambda *args, **kw: producer_processes(*args, backend=backend, **kw)
+
+
+def real_transport(backend: str):
+    """A fresh transport of the backend under test, for wrapping."""
+    return make_transport(backend, {})
+
+
+@pytest.fixture
+def consumers(backend):
+    """Make registered consumer connectors with `consumers(kind, num_blocks, **config)`.
+
+    At teardown every load a test started must have been reported (no load state left behind), then
+    the connectors close.
+    """
+    made: list[KVConnector] = []
+    topo = Topology.from_env()
+
+    def make(kind: str, num_blocks: int, *, transport=None, **cfg) -> tuple[KVConnector, dict[str, torch.Tensor]]:
+        caches, groups = make_caches(kind, num_blocks, CONSUMER_SEED, topo.consumer_device)
+        cfg.setdefault("backend", backend)
+        cfg.setdefault("engine_id", "decode-0")
+        c = KVConnector(ConnectorConfig(role="consumer", host=topo.consumer_host, groups=groups, **cfg),
+                        transport=transport)
+        c.register_kv_caches(caches)
+        made.append(c)
+        return c, caches
+
+    yield make
+    try:
+        for c in made:
+            assert c.consumer.pending == 0, f"{c.consumer.pending} loads never reported"
+    finally:
+        for c in made:
+            c.close()
+
+
+def wait_for(conn: KVConnector, request_ids, timeout: float = 30.0) -> Finished:
+    """Collect get_finished() until every load has ended (finished or failed), within `timeout`."""
+    out = Finished()
+    pending = set(request_ids)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        fin = conn.get_finished()
+        out.loaded += fin.loaded
+        out.failed.update(fin.failed)
+        out.invalid_block_ids |= fin.invalid_block_ids
+        pending -= set(fin.loaded) | set(fin.failed)
+        time.sleep(0.002)
+    assert not pending, f"requests never reported: {sorted(pending)}"
+    return out
+
+
+def byte_rows(caches: dict[str, torch.Tensor], conn: KVConnector) -> list[torch.Tensor]:
+    """Per region, its blocks as `(num_blocks, block_bytes)` uint8 rows in host memory.
+
+    A view of CPU caches; a copy of GPU caches, so that bytes from any device compare with each other.
+    """
+    tensors = [caches[r.names[0]] for r in conn.regions]
+    return [t.reshape(t.shape[0], -1).view(torch.uint8).cpu() for t in tensors]
+
+
+def assert_pulled(conn, local_caches, before, producer, pulls) -> None:
+    """Pulled blocks equal the producer's, and every block not pulled is unchanged."""
+    remote_caches, _ = make_caches(producer.kind, producer.num_blocks, producer.seed)
+    got, want, old = byte_rows(local_caches, conn), byte_rows(remote_caches, conn), before
+    touched = [set() for _ in conn.regions]
+    for local_groups, remote_groups in pulls:
+        for g, regions in enumerate(conn.group_regions):
+            lids, rids = np.asarray(local_groups[g]), np.asarray(remote_groups[g])
+            for k in regions:
+                assert torch.equal(got[k][lids], want[k][rids]), f"region {k} differs"
+                touched[k].update(lids.tolist())
+    for k in range(len(conn.regions)):
+        rest = sorted(set(range(got[k].shape[0])) - touched[k])
+        assert torch.equal(got[k][rest], old[k][rest]), f"region {k}: a block not named was touched"
+
+
+def snapshot(caches, conn) -> list[torch.Tensor]:
+    """A copy of every region's bytes, to compare against later."""
+    return [rows.clone() for rows in byte_rows(caches, conn)]

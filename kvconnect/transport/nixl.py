@@ -13,9 +13,14 @@ the copy; across hosts it returns at once and `poll` tracks the transfer.
 Every NIXL call goes through `_nixl(what)`, which turns whatever NIXL raises into one TransferError
 naming the operation. A peer process that dies shows up as NIXL_ERR_REMOTE_DISCONNECT on the post or
 a later poll (FAILED); a peer host that vanishes without closing its sockets may stay PENDING until
-UCX times out, so callers keep a deadline of their own. `cancel` releases the NIXL request (NIXL
-cancels it); a request NIXL refuses to release yet is retried on every poll and reads PENDING until
-it goes.
+UCX times out, so callers keep a deadline of their own.
+
+NIXL cannot recall a transfer: releasing a pending UCX request, or removing its peer's agent, returns
+at once while the bytes still arrive afterwards (seen here with UCX over TCP: a READ released while
+its peer was stopped wrote its buffer after the peer resumed, over a later READ into the same
+blocks). So `cancel` only marks a transfer, which reads FAILED once NIXL itself reports it over, and
+a removed peer keeps its agent until its transfers are over. A transfer to a peer that hangs without
+dying stays PENDING until the peer resumes or its connection fails.
 
 Shutdown order matters to NIXL: transfer handles, prepared lists, remote agents, registrations, and
 only then the agent. `close()` does that, and runs at interpreter exit for any transport left open.
@@ -29,6 +34,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from typing import Sequence
@@ -51,6 +57,8 @@ _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}
 # Blocks of a peer prepared up front: 24 bytes of numpy plus about 8 of NIXL per block, 64 MiB in all.
 DEFAULT_PREPARED_ROWS = 2 << 20
 _open: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
+# Agents closed while a transfer was still writing their memory: kept alive until the process exits.
+_unfinished: list[object] = []
 
 
 @atexit.register
@@ -118,15 +126,17 @@ def _indices(offsets: np.ndarray, sel: np.ndarray, ids: np.ndarray) -> np.ndarra
 
 
 class _Xfer:
-    """A posted transfer: the NIXL handle (None once released), its peer and its state."""
+    """A posted transfer: the NIXL handle (None once released), its peer, its state and what was asked of it."""
 
-    __slots__ = ("handle", "peer_id", "state", "cancelled")
+    __slots__ = ("handle", "peer", "peer_id", "state", "cancelled", "released")
 
-    def __init__(self, handle: object, peer_id: str, state: TransferState):
+    def __init__(self, handle: object, peer: _Peer | None, peer_id: str, state: TransferState):
         self.handle = handle
+        self.peer = peer
         self.peer_id = peer_id
         self.state = state
-        self.cancelled = False
+        self.cancelled = False  # asked to stop: reads FAILED once NIXL says it is over
+        self.released = False  # the caller let go: the handle is freed once NIXL says it is over
 
     def __repr__(self) -> str:
         return f"<nixl transfer with {self.peer_id}: {self.state.value}>"
@@ -141,7 +151,7 @@ class _Peer:
         self.kind = kind
         self.offsets: np.ndarray | None = None
         self.dlist: object = None  # prepared list of every peer block, when within the budget
-        self.xfers: set[_Xfer] = set()
+        self.xfers: set[_Xfer] = set()  # not yet released
 
 
 class NixlTransport(Transport):
@@ -184,7 +194,7 @@ class NixlTransport(Transport):
         self._offsets = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, int] = {}  # remote agent -> peer ids using it (NIXL holds one entry per agent)
-        self._stuck: list[_Xfer] = []  # cancelled transfers NIXL would not release yet
+        self._retiring: list[_Peer] = []  # removed peers whose transfers NIXL has not finished yet
         _open.add(self)
 
     # ---- set-up ----
@@ -255,12 +265,15 @@ class NixlTransport(Transport):
             _quietly(f"removing agent {agent}", self._agent.remove_remote_agent, agent)
 
     def remove_peer(self, peer_id: str) -> None:
-        """Cancel the peer's transfers, release its prepared list, then drop its agent."""
+        """Forget a peer: its transfers are cancelled; its agent goes once NIXL has finished them."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
             if peer is None or self._closed:
                 return
-            self._drop_peer(peer)
+            for xfer in peer.xfers:
+                xfer.cancelled = True
+            self._retiring.append(peer)
+            self._reap()
 
     # ---- transfers ----
 
@@ -270,7 +283,7 @@ class NixlTransport(Transport):
         with self._lock:
             peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
             if lids.size == 0 or sel.size == 0:
-                return _Xfer(None, peer_id, TransferState.DONE)
+                return _Xfer(None, None, peer_id, TransferState.DONE)
             what = f"{op} of {lids.size * sel.size} blocks with {peer_id}"
             with _nixl(f"could not make a {what}"):
                 if peer.dlist is not None:
@@ -289,7 +302,7 @@ class NixlTransport(Transport):
             except TransferError:
                 _quietly("releasing a transfer handle", self._agent.release_xfer_handle, handle)
                 raise
-            xfer = _Xfer(handle, peer_id, _STATES[status])
+            xfer = _Xfer(handle, peer, peer_id, _STATES[status])
             peer.xfers.add(xfer)
             return xfer
 
@@ -299,48 +312,37 @@ class NixlTransport(Transport):
         if xfer.state is not TransferState.PENDING:
             return xfer.state
         with self._lock:
-            if xfer.cancelled:
-                self._try_release(xfer)
-                return xfer.state
-            if xfer.handle is None or self._closed:
-                xfer.state = TransferState.FAILED
-                return xfer.state
-            try:
-                with _nixl(f"transfer with {xfer.peer_id}"):
-                    status = self._agent.check_xfer_state(xfer.handle)
-            except TransferError as exc:
-                log.warning("kvconnect nixl: %s", exc)
-                status = "ERR"
-            xfer.state = _STATES.get(status, TransferState.FAILED)
+            self._refresh(xfer)
+            if self._retiring:
+                self._reap()
             return xfer.state
 
     def cancel(self, handle: object) -> None:
-        """Cancel a pending transfer; it reads FAILED once NIXL has released it."""
+        """Ask a transfer to stop. NIXL cannot recall bytes already on their way (a released UCX request
+        still writes its buffer), so the transfer reads FAILED only once NIXL reports it over."""
         xfer = self._xfer(handle)
         with self._lock:
             if xfer.state is TransferState.PENDING:
                 xfer.cancelled = True
-                self._try_release(xfer)
 
     def release(self, handle: object) -> None:
-        """Free the transfer (cancelling it if still pending)."""
+        """Free the transfer's handle; a pending one is cancelled and freed once NIXL reports it over."""
         xfer = self._xfer(handle)
         with self._lock:
+            xfer.released = True
             if xfer.state is TransferState.PENDING:
                 xfer.cancelled = True
-            self._try_release(xfer)
-            peer = self._peers.get(xfer.peer_id)
-            if peer is not None:
-                peer.xfers.discard(xfer)
-            if xfer.handle is not None:
-                self._stuck.append(xfer)
+                self._refresh(xfer)
+            if xfer.state is not TransferState.PENDING:
+                self._free(xfer)
 
     # ---- shutdown ----
 
-    def close(self) -> None:
-        """Release handles and prepared lists, remove peers, deregister memory, then drop the agent."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel everything, wait (bounded) for NIXL to finish what is in flight, then release handles and
+        prepared lists, remove peers, deregister memory and drop the agent."""
         # A thread stuck inside NIXL must not hang interpreter exit: give up on the lock after a while.
-        if not self._lock.acquire(timeout=30.0):
+        if not self._lock.acquire(timeout=timeout_s):
             log.error("kvconnect nixl: close() could not take the transport lock; leaving it open")
             return
         try:
@@ -348,12 +350,21 @@ class NixlTransport(Transport):
                 return
             self._closed = True
             _open.discard(self)
-            for peer in list(self._peers.values()):
-                self._drop_peer(peer)
+            for peer in self._peers.values():
+                for xfer in peer.xfers:
+                    xfer.cancelled = True
+                self._retiring.append(peer)
             self._peers.clear()
-            for xfer in self._stuck:
-                self._try_release(xfer)
-            self._undo_register()
+            deadline = time.monotonic() + timeout_s
+            while self._reap() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._retiring:
+                # Memory a READ may still write must stay registered: keep the agent, leave it to process exit.
+                log.error("kvconnect nixl: transfers still running after %.0f s; closing without deregistering "
+                          "memory", timeout_s)
+                _unfinished.append(self._agent)
+            else:
+                self._undo_register()
             self._agent = None
         finally:
             self._lock.release()
@@ -365,24 +376,47 @@ class NixlTransport(Transport):
             raise TransferError(f"not a NIXL transfer handle: {handle!r}")
         return handle
 
-    def _try_release(self, xfer: _Xfer) -> None:
+    def _refresh(self, xfer: _Xfer) -> None:
+        """Ask NIXL where a pending transfer stands; final once NIXL says DONE or fails it."""
         if xfer.handle is None or self._agent is None:
+            xfer.state = TransferState.FAILED
             return
-        if _quietly(f"releasing a transfer with {xfer.peer_id}", self._agent.release_xfer_handle, xfer.handle):
-            xfer.handle = None
-            if xfer.state is TransferState.PENDING:
-                xfer.state = TransferState.FAILED
+        try:
+            with _nixl(f"transfer with {xfer.peer_id}"):
+                status = self._agent.check_xfer_state(xfer.handle)
+        except TransferError as exc:
+            log.warning("kvconnect nixl: %s", exc)
+            status = "ERR"
+        state = _STATES.get(status, TransferState.FAILED)
+        if state is TransferState.DONE and xfer.cancelled:
+            state = TransferState.FAILED
+        xfer.state = state
 
-    def _drop_peer(self, peer: _Peer) -> None:
-        for xfer in list(peer.xfers):
-            xfer.cancelled = True
-            self._try_release(xfer)
-            if xfer.handle is not None:
-                self._stuck.append(xfer)
-        peer.xfers.clear()
-        if peer.dlist is not None:
-            _quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
-        self._unload_agent(peer.agent)
+    def _free(self, xfer: _Xfer) -> None:
+        """Release a finished transfer's handle and forget it."""
+        if xfer.handle is not None and self._agent is not None:
+            _quietly(f"releasing a transfer with {xfer.peer_id}", self._agent.release_xfer_handle, xfer.handle)
+        xfer.handle = None
+        if xfer.peer is not None:
+            xfer.peer.xfers.discard(xfer)
+
+    def _reap(self) -> bool:
+        """Finish removing peers whose transfers are all over; True while some are still running."""
+        still = []
+        for peer in self._retiring:
+            for xfer in list(peer.xfers):
+                if xfer.state is TransferState.PENDING:
+                    self._refresh(xfer)
+                if xfer.state is not TransferState.PENDING:
+                    self._free(xfer)
+            if peer.xfers:
+                still.append(peer)
+                continue
+            if peer.dlist is not None:
+                _quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
+            self._unload_agent(peer.agent)
+        self._retiring = still
+        return bool(still)
 
     def _undo_register(self) -> None:
         if self._dlist is not None:
