@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 BENCHES: dict[str, tuple[str, str, str]] = {
     "descriptors": ("kvconnect.bench.descriptors", "descriptor building beside a Python loop", ""),
     "handshake": ("kvconnect.bench.handshake", "side-channel round trips, with and without a secret", ""),
+    "isolation": ("kvconnect.bench.isolation", "loads from a healthy producer beside a stopped one", "nixl"),
     "offload": ("kvconnect.bench.offload", "CPU-tier store and load beside memcpy", ""),
     "transfer": ("kvconnect.bench.transfer", "P/D pull beside the raw backend and memcpy", "nixl"),
 }

@@ -23,6 +23,7 @@ from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.producer import Producer
 from kvconnect.regions import RegionSet
 from kvconnect.sidechannel.addresses import check_bind, is_wildcard
+from kvconnect.threads import unpinned
 from kvconnect.transport import BACKENDS, Transport, check_transport_options, make_transport
 
 ROLES = ("producer", "consumer", "both")
@@ -172,14 +173,15 @@ class KVConnector:
         cfg = self.config
         regions = RegionSet.from_kv_caches(kv_caches)
         group_regions = _resolve_groups(regions, cfg.groups)
-        transport = self._transport or make_transport(cfg.backend, self._transport_options())
-        transport.register(regions)
+        # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
+        transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
         self.metadata = self._metadata(transport, regions, _dtype_name(kv_caches))
         if cfg.role in ("producer", "both"):
-            self.producer = Producer(metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
-                                     advertise_host=cfg.advertise_host, secret=cfg.secret,
-                                     allow_wildcard=cfg.allow_wildcard, lease_s=cfg.lease_s)
+            self.producer = unpinned(lambda: Producer(
+                metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
+                advertise_host=cfg.advertise_host, secret=cfg.secret, allow_wildcard=cfg.allow_wildcard,
+                lease_s=cfg.lease_s))
         if cfg.role in ("consumer", "both"):
             self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
                                      expect=self.metadata.compat, group_regions=group_regions, rank=cfg.rank,
@@ -187,12 +189,17 @@ class KVConnector:
                                      handshake_timeout_s=cfg.handshake_timeout_s)
         return regions
 
+    def _register(self, regions: RegionSet) -> Transport:
+        transport = self._transport or make_transport(self.config.backend, self._transport_options())
+        transport.register(regions)
+        return transport
+
     def _transport_options(self) -> dict[str, Any]:
         cfg = self.config
         options = dict(cfg.transport_options)
         if cfg.backend == "nixl" and cfg.role == "consumer":
-            # A consumer only initiates and its worker polls: NIXL's progress thread would only burn a core.
-            options.setdefault("progress_thread", False)
+            # A consumer only initiates and its peer workers poll: nothing else needs progress here.
+            options.setdefault("progress_interval_s", 0.0)
         if cfg.backend == "mooncake" and cfg.role in ("producer", "both"):
             # Mooncake advertises the host it was started on: peers on other hosts must be able to reach
             # it, so default to the side channel's public address rather than loopback.

@@ -54,3 +54,11 @@ def test_demo_json_has_the_documented_keys() -> None:
     for key in ("backend", "requests", "bytes", "seconds", "gbps", "p50_ms", "p99_ms", "verified"):
         assert key in r
     assert r["verified"] is True and r["backend"] == "nixl"
+
+
+def test_bench_isolation_measures_healthy_loads_beside_a_stopped_producer() -> None:
+    out = _kvconnect("bench", "isolation", "--loads", "3", "--rounds", "2", "--blocks", "2", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("alone_p50_ms", "alone_p99_ms", "beside_stopped_p50_ms", "beside_stopped_p99_ms", "p50_ratio"):
+        assert r[key] > 0, key

@@ -14,7 +14,7 @@ MAX_FUNCTION_LINES = 60
 
 # Bottom first. A module may import kvconnect modules of its own layer or of the layers below it.
 LAYERS = [
-    {"errors", "metrics", "__init__"},
+    {"errors", "metrics", "threads", "__init__"},
     {"layout"},
     {"wire"},
     {"regions"},

@@ -3,20 +3,67 @@
 Run by the e2e tests and compare.py in a new session (so the whole process group can be killed).
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
-{"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}. Replies carry "ok" and results.
+{"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true} (generate,
+aborting some requests on the way), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
+Replies carry "ok" and results.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
 import traceback
 
+_runs = itertools.count()
+
+
+def sampling(cmd: dict, p: dict | None):
+    """Greedy sampling params for one prompt, carrying its kv_transfer_params."""
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": p} if p is not None else None
+    return SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True,
+                          detokenize=False, extra_args=extra)
+
+
+def run_with_aborts(llm, cmd: dict) -> dict:
+    """Add the prompts as requests, abort the chosen ones (after a delay or at their first token), step
+    until the others finish; aborted requests report finish_reason "aborted"."""
+    engine = llm.llm_engine
+    prompts = cmd["prompts"]
+    params = cmd.get("params") or [None] * len(prompts)
+    run = next(_runs)
+    ids = [f"run{run}-{i}" for i in range(len(prompts))]  # outputs carry these; aborts take the engine's own
+    internal = {rid: engine.add_request(rid, {"prompt_token_ids": tokens}, sampling(cmd, p))
+                for rid, tokens, p in zip(ids, prompts, params)}
+    external = {v: k for k, v in internal.items()}
+    doomed = {ids[i] for i in cmd.get("abort", [])}
+    done: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    deadline = t0 + cmd.get("timeout_s", 300)
+    while len(done) < len(ids) and time.perf_counter() < deadline:
+        now = time.perf_counter() - t0
+        due = [r for r in doomed if r not in done and "abort_after_s" in cmd and now >= cmd["abort_after_s"]]
+        for out in engine.step():
+            out.request_id = external.get(out.request_id, out.request_id)
+            if out.request_id in doomed and cmd.get("abort_at_first_token") and out.outputs[0].token_ids:
+                due.append(out.request_id)
+            elif out.finished:
+                done[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
+                                        "finish_reason": out.outputs[0].finish_reason}
+        if due:
+            engine.abort_request(sorted({internal[r] for r in due}), internal=True)
+            for r in due:
+                done[r] = {"token_ids": [], "finish_reason": "aborted"}
+    return {"ok": len(done) == len(ids), "wall_s": time.perf_counter() - t0,
+            "outputs": [done.get(r, {"token_ids": [], "finish_reason": "timeout"}) for r in ids]}
+
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = spec.get("kv")
@@ -37,14 +84,12 @@ def main() -> None:
                 reply = {"ok": True}
             elif op == "reset_prefix_cache":
                 reply = {"ok": True, "reset": bool(llm.reset_prefix_cache())}
+            elif op == "run":
+                reply = run_with_aborts(llm, cmd)
             elif op == "generate":
                 prompts = cmd["prompts"]
                 params = cmd.get("params") or [None] * len(prompts)
-                sps = []
-                for p in params:
-                    extra = {"kv_transfer_params": p} if p is not None else None
-                    sps.append(SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8),
-                                              ignore_eos=True, detokenize=False, extra_args=extra))
+                sps = [sampling(cmd, p) for p in params]
                 t0 = time.perf_counter()
                 res = llm.generate([{"prompt_token_ids": ids} for ids in prompts], sps, use_tqdm=False)
                 wall = time.perf_counter() - t0

@@ -56,8 +56,9 @@ def kv_config(connector: str, role: str = "kv_both", **kw) -> dict:
 class Engine:
     """A vLLM engine in a subprocess in its own session; `close()` kills the whole group."""
 
-    def __init__(self, model: Path, *, kv: dict | None, core: int, name: str, llm: dict | None = None,
+    def __init__(self, model: Path, *, kv: dict | None, core: int | str, name: str, llm: dict | None = None,
                  env: dict | None = None, log_dir: Path | None = None):
+        """`core`: the CPU the engine's OpenMP threads bind to, or "nobind" to share every core."""
         self.name = name
         llm_kw = {"max_model_len": 2048, "dtype": "float32", "enable_prefix_caching": False,
                   "max_num_seqs": 16, "seed": 0}
@@ -114,6 +115,15 @@ class Engine:
 
     def generate(self, prompts, max_tokens=8, params=None, timeout=300.0) -> dict:
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout)
+
+    def run(self, prompts, *, max_tokens=8, params=None, timeout=300.0, **abort) -> dict:
+        """Generate while aborting some requests: abort=[indices] with abort_after_s or abort_at_first_token."""
+        return self.call(op="run", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout,
+                         timeout_s=timeout - 10, **abort)
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the engine's whole process group (SIGSTOP/SIGCONT stall and resume it)."""
+        os.killpg(self.proc.pid, sig)
 
     def tail(self, n: int = 60) -> str:
         try:

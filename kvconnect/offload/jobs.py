@@ -17,6 +17,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 from kvconnect.errors import KVConnectError, TransferError
+from kvconnect.threads import spawn
 
 _ids = itertools.count(1)
 
@@ -90,9 +91,7 @@ class JobRunner:
         self._finished: deque[OffloadJob] = deque()
         self._lock = threading.Lock()
         self._closed = False
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._threads = [spawn(self._loop, name=f"{name}-{i}") for i in range(workers)]
 
     def submit(self, job: OffloadJob) -> OffloadJob:
         """Queue a job for a worker."""

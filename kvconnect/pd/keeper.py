@@ -18,6 +18,7 @@ from kvconnect import wire
 from kvconnect.errors import KVConnectError
 from kvconnect.pd.plan import PeerAddr
 from kvconnect.sidechannel import Target, call_many
+from kvconnect.threads import spawn
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ class LeaseKeeper:
         self._tracked: dict[str, PeerAddr] = {}  # producer request id -> producer
         self._lost: list[str] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvconnect-lease-keeper", daemon=True)
-        self._thread.start()
+        self._thread = spawn(self._run, name="kvconnect-lease-keeper")
 
     def track(self, params: wire.TransferParams) -> None:
         """Start heartbeating the lease `params` name (idempotent)."""

@@ -16,7 +16,6 @@ import itertools
 import logging
 import math
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ from kvconnect.errors import KVConnectError
 from kvconnect.pd.plan import PeerAddr, check_peer, remote_ids
 from kvconnect.regions import RegionSet
 from kvconnect.sidechannel import Target, call, call_many, fetch_metadata
+from kvconnect.threads import spawn
 from kvconnect.transport.base import TransferState
 
 if TYPE_CHECKING:
@@ -94,8 +94,7 @@ class PeerWorker:
         self._aborts: list[tuple[str, str]] = []
         self._notices_down_until = 0.0
         self._idle_since = owner.clock()
-        self.thread = threading.Thread(target=self._run, name=f"kvconnect-peer-{addr}", daemon=True)
-        self.thread.start()
+        self.thread = spawn(self._run, name=f"kvconnect-peer-{addr}")
 
     # ---- the thread ----
 
@@ -166,9 +165,8 @@ class PeerWorker:
         """The loads whose producer incarnation we hold metadata for (handshaking first if needed)."""
         stale = [ld for ld in loads if self.peer is None or ld.params.incarnation != self.peer.incarnation]
         if stale:
-            timeout = min(self.owner.handshake_timeout_s, self._left(stale))
             try:
-                self._connect(timeout)
+                self._connect(self._left(stale))
             except (KVConnectError, ValueError) as exc:
                 for load in loads:
                     self._fail(load, "handshake", str(exc))
@@ -182,13 +180,14 @@ class PeerWorker:
                 out.append(load)
         return out
 
-    def _connect(self, timeout: float) -> None:
-        if timeout <= 0:
+    def _connect(self, left: float) -> None:
+        """Handshake within the loads' remaining time; a producer that cannot be reached fails sooner."""
+        if left <= 0:
             raise KVConnectError("load deadline passed before the handshake")
         o = self.owner
         t0 = time.perf_counter()
-        meta = fetch_metadata(self.addr.host, self.addr.port, rank=o.rank, timeout=timeout, secret=o.secret,
-                              expect=o.expect)
+        meta = fetch_metadata(self.addr.host, self.addr.port, rank=o.rank, timeout=left, secret=o.secret,
+                              expect=o.expect, connect_timeout=min(o.handshake_timeout_s, left))
         metrics.handshake_seconds.observe(time.perf_counter() - t0)
         if self.peer is not None and self.peer.incarnation == meta.incarnation:
             return
@@ -210,8 +209,8 @@ class PeerWorker:
                            request_ids=tuple(ld.request_id for ld in loads), incarnation=self.peer.incarnation)
         sent_at = self.owner.clock()
         try:
-            reply = call(self.addr.host, self.addr.port, claim, timeout=min(self.owner.handshake_timeout_s, left),
-                         secret=self.owner.secret)
+            reply = call(self.addr.host, self.addr.port, claim, timeout=left, secret=self.owner.secret,
+                         connect_timeout=min(self.owner.handshake_timeout_s, left))
         except KVConnectError as exc:
             for load in loads:
                 self._fail(load, "lease", f"claim: {exc}")

@@ -1,8 +1,10 @@
 """Side-channel clients: one request, one reply, one deadline; or many requests to many peers at once.
 
-Every call returns or raises `HandshakeError` within its timeout (plus a few milliseconds). A reply
-is opened in two phases: envelope, version, MAC and kind first; a metadata payload is decoded only
-after its compatibility fingerprint matched what the caller expects.
+Every call returns or raises `HandshakeError` within its timeout (plus a few milliseconds). Two
+bounds: `connect_timeout` for the connection to come up (nothing listening, a dead host or a stopped
+process fail here), `timeout` for the whole call (a peer that took the request and is slow to answer
+gets until then). A reply is opened in two phases: envelope, version, MAC and kind first; a metadata
+payload is decoded only after its compatibility fingerprint matched what the caller expects.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvconnect import wire
 from kvconnect.errors import HandshakeError
 from kvconnect.sidechannel.addresses import is_ipv6, zmq_endpoint
 from kvconnect.sidechannel.auth import new_nonce, reply_mac, request_mac, resolve_secret
+from kvconnect.threads import zmq_context
 from kvconnect.wire import PROTOCOL_VERSION, HandshakeRejection, RequestEnvelope, WireError
 
 _ctx_lock = threading.Lock()
@@ -34,7 +37,7 @@ def _client_context() -> zmq.Context:
     pid = os.getpid()
     with _ctx_lock:
         if _ctx is None or _ctx[0] != pid:
-            _ctx = (pid, zmq.Context())
+            _ctx = (pid, zmq_context())
         return _ctx[1]
 
 
@@ -48,20 +51,23 @@ class Target:
 
 
 def call(host: str, port: int, message: wire.RequestBody, *, timeout: float = 5.0,
-         secret: bytes | str | None = None) -> wire.ReplyBody:
+         secret: bytes | str | None = None, connect_timeout: float | None = None) -> wire.ReplyBody:
     """Send one request; its reply of the type `wire.REPLY_TYPE` names, or HandshakeError in `timeout`."""
-    result = call_many([Target(host, port, message)], timeout=timeout, secret=secret)[0]
+    result = call_many([Target(host, port, message)], timeout=timeout, secret=secret,
+                       connect_timeout=connect_timeout)[0]
     if isinstance(result, HandshakeError):
         raise result
     return result
 
 
 def fetch_metadata(host: str, port: int, *, rank: int = 0, timeout: float = 5.0,
-                   secret: bytes | str | None = None, expect: wire.Compat | None = None) -> wire.EngineMetadata:
+                   secret: bytes | str | None = None, expect: wire.Compat | None = None,
+                   connect_timeout: float | None = None) -> wire.EngineMetadata:
     """Fetch a peer's metadata for `rank`; raises HandshakeError within `timeout` (plus a few ms)."""
     if not (isinstance(rank, int) and 0 <= rank <= 65535):
         raise ValueError(f"rank must be an integer in [0, 65535], got {rank!r}")
-    reply = call(host, port, wire.HandshakeRequest(rank=rank), timeout=timeout, secret=secret)
+    reply = call(host, port, wire.HandshakeRequest(rank=rank), timeout=timeout, secret=secret,
+                 connect_timeout=connect_timeout)
     return open_metadata(reply, zmq_endpoint(host, port), rank, expect)
 
 
@@ -83,20 +89,25 @@ def open_metadata(reply: wire.HandshakeReply, endpoint: str, rank: int,
     return meta
 
 
-def call_many(targets: Sequence[Target], *, timeout: float = 5.0,
-              secret: bytes | str | None = None) -> list[wire.ReplyBody | HandshakeError]:
+def call_many(targets: Sequence[Target], *, timeout: float = 5.0, secret: bytes | str | None = None,
+              connect_timeout: float | None = None) -> list[wire.ReplyBody | HandshakeError]:
     """Send every request at once and wait for all replies together, within one `timeout`.
 
     Each result is the reply or the HandshakeError of that target alone: a dead or silent peer costs
-    the others nothing but the shared deadline.
+    the others nothing but the shared deadline. A target not connected within `connect_timeout`
+    (default: `timeout`) fails then.
     """
-    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    for name, value in (("timeout", timeout), ("connect_timeout", timeout if connect_timeout is None
+                                                 else connect_timeout)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
     for t in targets:
         if type(t.message) not in wire.REPLY_TYPE:
             raise TypeError(f"not a side-channel request: {type(t.message).__name__}")
     key = resolve_secret(secret)
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    connected_by = start + min(timeout, timeout if connect_timeout is None else connect_timeout)
     pending: dict[zmq.Socket, tuple[int, str, bytes, bytes]] = {}
     results: list[wire.ReplyBody | HandshakeError | None] = [None] * len(targets)
     try:
@@ -108,7 +119,7 @@ def call_many(targets: Sequence[Target], *, timeout: float = 5.0,
                 results[i] = exc
                 continue
             pending[sock] = (i, endpoint, nonce, data)
-        _collect(pending, results, targets, key, deadline, timeout)
+        _collect(pending, results, targets, key, (start, connected_by, deadline))
     finally:
         for sock in pending:
             sock.close(linger=0)
@@ -141,18 +152,28 @@ def _connect(target: Target, endpoint: str, key: bytes | None) -> tuple[zmq.Sock
     return sock, nonce, data
 
 
-def _collect(pending: dict, results: list, targets: Sequence[Target], key: bytes | None, deadline: float,
-             timeout: float) -> None:
-    unsent = set(pending)
-    waiting: set[zmq.Socket] = set()
+def _collect(pending: dict, results: list, targets: Sequence[Target], key: bytes | None,
+             bounds: tuple[float, float, float]) -> None:
+    """Send each request once its connection is up, then read the replies, until the bounds pass."""
+    start, connected_by, deadline = bounds
+    unsent, waiting = set(pending), set()
     poller = zmq.Poller()
     for sock in pending:
         poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
     while unsent or waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if unsent and now >= connected_by:
+            for sock in unsent:
+                i, endpoint = pending[sock][:2]
+                results[i] = HandshakeError(f"no connection to {endpoint} within {connected_by - start:g} s "
+                                            "(nothing listening, refused, unreachable or stopped)")
+                poller.unregister(sock)
+            unsent = set()
+            continue
+        if now >= deadline:
             break
-        for sock, events in poller.poll(max(1, int(left * 1000))):
+        wake = min(connected_by, deadline) if unsent else deadline
+        for sock, events in poller.poll(max(1, int((wake - now) * 1000))):
             if sock in unsent and events & zmq.POLLOUT:
                 sock.send(pending[sock][3], zmq.NOBLOCK)
                 unsent.discard(sock)
@@ -163,13 +184,9 @@ def _collect(pending: dict, results: list, targets: Sequence[Target], key: bytes
                 poller.unregister(sock)
                 i, endpoint, nonce, _ = pending[sock]
                 results[i] = _read_reply(sock, endpoint, nonce, key, targets[i].message)
-    for sock in unsent:
-        i, endpoint = pending[sock][:2]
-        results[i] = HandshakeError(f"no connection to {endpoint} within {timeout:g} s "
-                                    "(nothing listening, refused or unreachable)")
     for sock in waiting:
         i, endpoint = pending[sock][:2]
-        results[i] = HandshakeError(f"{endpoint} did not answer within {timeout:g} s")
+        results[i] = HandshakeError(f"{endpoint} did not answer within {deadline - start:g} s")
 
 
 def _read_reply(sock: zmq.Socket, endpoint: str, nonce: bytes, key: bytes | None,

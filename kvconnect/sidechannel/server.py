@@ -21,6 +21,7 @@ import zmq
 from kvconnect import wire
 from kvconnect.errors import HandshakeError
 from kvconnect.sidechannel.addresses import check_bind, is_ipv6, is_loopback, zmq_endpoint
+from kvconnect.threads import spawn, zmq_context
 from kvconnect.sidechannel.auth import (
     DEFAULT_MAX_SKEW_S,
     DEFAULT_REPLAY_CACHE_SIZE,
@@ -121,7 +122,7 @@ class SideChannelServer:
         self._counters = _Counters()
         self._last_log: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
-        self._ctx = zmq.Context()
+        self._ctx = zmq_context()
         self._sock, self.endpoint = self._bind(host, port)
         self.host = host
         self.port = int(self.endpoint.rsplit(":", 1)[1])
@@ -131,8 +132,7 @@ class SideChannelServer:
         self._stop = threading.Event()
         # The socket is handed to the thread here and never touched by this one again (ZMQ sockets are
         # not thread-safe); the thread closes it.
-        self._thread = threading.Thread(target=self._serve, name=f"kvconnect-sidechannel-{self.port}", daemon=True)
-        self._thread.start()
+        self._thread = spawn(self._serve, name=f"kvconnect-sidechannel-{self.port}")
 
     def _bind(self, host: str, port: int) -> tuple[zmq.Socket, str]:
         sock = self._ctx.socket(zmq.ROUTER)

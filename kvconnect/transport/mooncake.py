@@ -63,6 +63,7 @@ from kvconnect.transport.base import (
     Transport,
     mapped_errors,
 )
+from kvconnect.threads import spawn
 from kvconnect.transport.options import check_transport_options
 
 log = logging.getLogger(__name__)
@@ -223,9 +224,8 @@ class MooncakeTransport(Transport):
             session_lock = self._session_locks.setdefault(info.session, threading.Lock())
             jobs: queue.SimpleQueue[_Xfer | None] = queue.SimpleQueue()
             # The worker holds its own reference to the engine, so the engine outlives any batch it runs.
-            worker = threading.Thread(target=_work, args=(self._engine, jobs, session_lock, self.max_batch_entries),
-                                      name=f"kvconnect-mooncake-{peer_id}", daemon=True)
-            worker.start()
+            worker = spawn(_work, name=f"kvconnect-mooncake-{peer_id}",
+                           args=(self._engine, jobs, session_lock, self.max_batch_entries))
             self._peers[peer_id] = _Peer(info.session, regions, jobs, worker)
 
     def remove_peer(self, peer_id: str) -> None:

@@ -49,6 +49,7 @@ from kvconnect.transport.base import (
     Transport,
     mapped_errors,
 )
+from kvconnect.threads import spawn
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +158,21 @@ class _Peer:
 class NixlTransport(Transport):
     """Transport over a NIXL agent (UCX unless `backends` says otherwise).
 
-    NIXL's progress thread spins a whole core. A peer only makes progress on transfers aimed at it
-    through that thread or through its own calls into NIXL, so a side that others read from or write
-    to keeps `progress_thread=True`; a side that only initiates and polls can turn it off.
+    A side that others read from or write to must make progress on its own, or their transfers stall
+    (UCX over TCP or shared memory needs the target to answer). NIXL's progress thread does that but
+    spins a whole core even when idle (measured: 5.0 CPU-seconds in 5 idle seconds), which on a small
+    host starves the engine. kvconnect instead calls into NIXL every `progress_interval_s` on a thread
+    of its own (measured idle cost: about 5% of a core at 0.5 ms, 3% at 1 ms). A side that only
+    initiates and polls needs neither (`progress_interval_s=0`).
     """
 
     name = "nixl"
     label = "NIXL"
 
     def __init__(self, agent_name: str | None = None, *, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 4, progress_thread: bool = True, prepared_rows: int = DEFAULT_PREPARED_ROWS):
-        """Create the agent; without `progress_thread` this side must only initiate, and keep polling.
+                 num_threads: int = 4, progress_thread: bool = False, progress_interval_s: float = 0.0005,
+                 prepared_rows: int = DEFAULT_PREPARED_ROWS):
+        """Create the agent; with neither progress thread nor interval this side must only initiate and poll.
 
         `num_threads` UCX workers share a post's descriptors: with per-block descriptors (random block
         tables) 4 of them pulled 2.4-3.3 GB/s where one pulled 1.0-1.3 on a 2-core host, at no idle cost.
@@ -195,7 +200,23 @@ class NixlTransport(Transport):
         self._peers: dict[str, _Peer] = {}
         self._agents: dict[str, int] = {}  # remote agent -> peer ids using it (NIXL holds one entry per agent)
         self._retiring: list[_Peer] = []  # removed peers whose transfers NIXL has not finished yet
+        self._pump: threading.Thread | None = None
+        if progress_interval_s > 0 and not progress_thread:
+            self._pump = spawn(self._progress, name=f"kvconnect-nixl-progress-{self.agent_name}",
+                               args=(progress_interval_s,))
         _open.add(self)
+
+    def _progress(self, interval_s: float) -> None:
+        """Let NIXL make progress on transfers that peers aimed at this side, until close."""
+        while not self._closed:
+            with self._lock:
+                if self._agent is None:
+                    return
+                try:
+                    self._agent.get_new_notifs()  # progresses every backend; kvconnect sends no notifications
+                except Exception as exc:  # the pump must outlive a backend hiccup
+                    log.warning("kvconnect nixl: progress failed: %s", exc)
+            time.sleep(interval_s)
 
     # ---- set-up ----
 

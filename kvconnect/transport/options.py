@@ -26,7 +26,8 @@ class NixlOptions(msgspec.Struct, **_Options):
     agent_name: _Name | None = None
     backends: Annotated[tuple[_Name, ...], Meta(min_length=1)] = ("UCX",)
     num_threads: Annotated[int, Meta(ge=0, le=256)] = 4
-    progress_thread: bool = True
+    progress_thread: bool = False
+    progress_interval_s: Annotated[float, Meta(ge=0, le=1)] = 0.0005
     prepared_rows: Annotated[int, Meta(ge=0)] = 2 << 20
 
 

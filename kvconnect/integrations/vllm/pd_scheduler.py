@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvconnect.vllm")
 
+# Worker counters (reported through vLLM's connector stats) that the stats file shows, by the name it uses.
+_WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "loads_ok", "loads_failed": "loads_failed"}
+
 
 class PDScheduler:
     """Decides, per step, which requests' blocks the worker holds, pulls, releases or aborts."""
@@ -48,6 +51,7 @@ class PDScheduler:
         self._sending: dict[str, int] = {}  # request -> blocks vLLM keeps for it until finished_sending
         self._loading: dict[str, str] = {}  # decode request -> producer request id it reads
         self._counters = {"handed_out": 0, "released": 0}
+        self._worker: dict[str, float] = {}  # what the workers reported, summed (their leases, their loads)
         self._stats_file = StatsFile(config.stats_path)
         self._keeper = LeaseKeeper(engine_id=engine_id, secret=config.secret, heartbeat_s=config.heartbeat_s,
                                    timeout_s=config.handshake_timeout_s)
@@ -139,18 +143,23 @@ class PDScheduler:
     # ---- both ----
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Loads that ended stop being kept alive; released sends are counted."""
+        """Loads that ended stop being kept alive; released sends are counted; workers' counters summed."""
         for rid in output.finished_recving or ():
             self._stop_keeping(rid)
         for rid in output.finished_sending or ():
             if self._sending.pop(rid, None) is not None:
                 self._counters["released"] += 1
+        worker = getattr(output.kv_connector_stats, "data", None) or {}
+        for key, name in _WORKER_KEYS.items():
+            if key in worker:
+                self._worker[name] = self._worker.get(name, 0) + worker[key]
         self._stats_file.write(self.stats())
 
     def stats(self) -> dict[str, int]:
-        """Requests handed out and released, blocks still held for consumers, leases being kept alive."""
+        """Requests handed out and released, blocks still held for consumers, leases being kept alive, and
+        the workers' own counts: leases their producers hold, loads finished and failed."""
         return {**self._counters, "held_requests": len(self._sending), "held_blocks": sum(self._sending.values()),
-                "kept_alive": self._keeper.tracked}
+                "kept_alive": self._keeper.tracked, **{k: int(v) for k, v in self._worker.items()}}
 
     def shutdown(self) -> None:
         """Stop heartbeating."""
