@@ -171,8 +171,10 @@ class KVConnector:
         if self.regions is not None:
             raise KVConnectError("register_kv_caches was already called on this connector")
         cfg = self.config
-        regions = RegionSet.from_kv_caches(kv_caches)
+        layers = [g.layers for g in cfg.groups] if cfg.groups else [tuple(kv_caches)]
+        regions = RegionSet.from_kv_caches(kv_caches, layer_groups=layers)
         group_regions = _resolve_groups(regions, cfg.groups)
+        self._page_bytes = {name: math.prod(t.shape[1:]) * t.element_size() for name, t in kv_caches.items()}
         # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
         transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
@@ -210,13 +212,14 @@ class KVConnector:
 
     def _metadata(self, transport: Transport, regions: RegionSet, dtype: str) -> wire.EngineMetadata:
         cfg = self.config
-        labels = cfg.groups or [KVGroup(layers=tuple(regions.names))]
+        groups = cfg.groups or [KVGroup(layers=tuple(self._page_bytes))]
+        # Per layer, the bytes of one block as the engine registered it: a Mamba layer's state bytes, not
+        # the page it shares with an attention layer, so a different state layout is caught by name.
         compat = wire.Compat(transport=transport.name, layout=cfg.layout, dtype=dtype, block_size=cfg.block_size,
                              groups=tuple(wire.GroupCompat(
                                  label=g.label, block_size=g.block_size or cfg.block_size,
-                                 page_bytes=tuple(regions[k].block_bytes for k in idx),
-                                 layers=wire.layers_digest([regions[k].names for k in idx]))
-                                 for g, idx in zip(labels, self.group_regions)))
+                                 page_bytes=tuple(self._page_bytes[name] for name in g.layers),
+                                 layers=wire.layers_digest([g.layers])) for g in groups))
         return wire.EngineMetadata(
             engine_id=cfg.engine_id, incarnation=wire.process_incarnation(), rank=cfg.rank, world_size=cfg.world_size,
             transport=transport.name, transport_metadata=transport.local_metadata(),

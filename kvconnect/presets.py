@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconnect.connector import KVGroup
-from kvconnect.layout import MambaPage
+from kvconnect.layout import KVCacheLayout, MambaPage
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,14 @@ class Preset:
             total += blocks[1] * self.mamba_layers * self.mamba_page.page_size_bytes
         return total
 
-    def allocate(self, num_blocks: int) -> tuple[dict[str, torch.Tensor], list[KVGroup]]:
-        """Per-layer KV tensors of `num_blocks` blocks and the KV groups they form."""
+    def allocate(self, num_blocks: int, layout: str = "LBHNC") -> tuple[dict[str, torch.Tensor], list[KVGroup]]:
+        """Per-layer KV tensors of `num_blocks` blocks (attention pages in `layout`, a `KVCacheLayout`
+        name: layers outermost, or blocks outermost so a block holds every layer) and their KV groups."""
         caches: dict[str, torch.Tensor] = {}
-        for i in range(self.attention_layers):
-            caches[f"model.layers.{i}.self_attn"] = torch.zeros(
-                num_blocks, self.kv_heads, self.block_size, self.head_content, dtype=self.dtype)
+        shape = (self.attention_layers, num_blocks, self.kv_heads, self.block_size, self.head_content)
+        buf = torch.zeros(math.prod(shape), dtype=self.dtype)
+        for i, view in enumerate(KVCacheLayout(layout).per_layer_views(buf, shape)):
+            caches[f"model.layers.{i}.self_attn"] = view
         groups = [KVGroup(layers=tuple(caches), label="attention")]
         if self.mamba_layers:
             names = [f"model.layers.{self.attention_layers + i}.mamba" for i in range(self.mamba_layers)]

@@ -125,6 +125,34 @@ def _merge_aliases(regions: list[Region]) -> list[Region]:
     return list(merged.values())
 
 
+def _merge_layers(regions: list[Region], layer_groups: Sequence[Sequence[str]]) -> list[Region]:
+    """Per-layer views of a blocks-outermost buffer, whose pages follow each other inside every block,
+    become one region per run of layers of one group: a block of all those layers is then one run of
+    bytes, moved with one descriptor instead of one per layer."""
+    owner = {name: g for g, names in enumerate(layer_groups) for name in names}
+    runs: dict[tuple, list[Region]] = {}
+    out: list[Region] = []
+    for r in regions:
+        groups = {owner.get(n) for n in r.names}
+        if len(groups) != 1 or None in groups or r.num_blocks < 2 or r.block_stride <= r.block_bytes:
+            out.append(r)  # shared by groups, or already one run per block: nothing to merge
+            continue
+        runs.setdefault((groups.pop(), r.memory_kind, r.device_id, r.num_blocks, r.block_stride), []).append(r)
+    for members in runs.values():
+        members.sort(key=lambda r: r.base_addr)
+        run = [members[0]]
+        for r in members[1:] + [None]:
+            end = run[-1].base_addr + run[-1].block_bytes
+            if r is not None and r.base_addr == end and end + r.block_bytes - run[0].base_addr <= r.block_stride:
+                run.append(r)
+                continue
+            first = run[0]
+            out.append(Region(tuple(n for m in run for n in m.names), first.base_addr, first.num_blocks,
+                              sum(m.block_bytes for m in run), first.block_stride, first.device_id, first.memory_kind))
+            run = [r]
+    return out
+
+
 def _check_disjoint(regions: Sequence[Region]) -> None:
     """Refuse regions whose blocks share bytes: moving both would move some bytes twice, inconsistently."""
     if len(regions) < 2:
@@ -199,12 +227,20 @@ class RegionSet:
         self._tensors: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> RegionSet:
-        """One region per layer tensor (aliases merged), or one for a single cross-layer tensor."""
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor],
+                       layer_groups: Sequence[Sequence[str]] | None = None) -> RegionSet:
+        """One region per layer tensor (aliases merged), or one for a single cross-layer tensor.
+
+        With `layer_groups` (the layers of each KV-cache group), per-layer views that lie side by side
+        in every block of one buffer (a blocks-outermost layout) merge into one cross-layer region per
+        group.
+        """
         if not kv_caches:
             raise LayoutError("register_kv_caches got no tensors")
-        regions = [_region_of(name, t) for name, t in kv_caches.items()]
-        rs = cls(_merge_aliases(regions))
+        regions = _merge_aliases([_region_of(name, t) for name, t in kv_caches.items()])
+        if layer_groups is not None:
+            regions = _merge_layers(regions, layer_groups)
+        rs = cls(regions)
         # A transport keeps raw addresses: the tensors must outlive the set, or it would write freed memory.
         rs._tensors = tuple(kv_caches.values())
         return rs

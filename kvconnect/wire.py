@@ -114,7 +114,7 @@ class GroupCompat(Struct, **_Config):
     """What two engines must agree on about one KV-cache group.
 
     `label` is the engine's name for the group's kind, compared, never interpreted; `page_bytes` are
-    the block bytes of the group's regions in order; `layers` hashes which layers each region holds.
+    the bytes of one block of each of the group's layers, as registered; `layers` hashes their names.
     """
 
     label: _Token
@@ -411,17 +411,17 @@ def _group_differences(ours: tuple[GroupCompat, ...], theirs: tuple[GroupCompat,
         if a.block_size != b.block_size:
             out.append((f"{where} block size", a.block_size, b.block_size))
         if len(a.page_bytes) != len(b.page_bytes):
-            out.append((f"{where} region count", len(a.page_bytes), len(b.page_bytes)))
+            out.append((f"{where} layer count", len(a.page_bytes), len(b.page_bytes)))
         elif a.page_bytes != b.page_bytes:
             k = next(i for i, (x, y) in enumerate(zip(a.page_bytes, b.page_bytes)) if x != y)
-            out.append((f"{where} page bytes of region {k}", a.page_bytes[k], b.page_bytes[k]))
+            out.append((f"{where} page bytes of its layer {k}", a.page_bytes[k], b.page_bytes[k]))
         if a.layers != b.layers and len(a.page_bytes) == len(b.page_bytes):
             out.append((f"{where} layer-to-group map", a.layers, b.layers))
     return out
 
 
 def layers_digest(names: Sequence[Sequence[str]]) -> str:
-    """A stable digest of the layer names of each region of a group (the layer-to-group map)."""
+    """A stable digest of lists of layer names (a group's layers: the layer-to-group map)."""
     text = "\x1e".join("\x1f".join(sorted(n)) for n in names)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

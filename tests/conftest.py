@@ -202,7 +202,11 @@ class ProducerProcess:
 
 @pytest.fixture
 def producer_processes():
-    """Start producer processes with `producer_processes(kind, num_blocks, seed, **kw)`; all stopped at teardown."""
+    """Start producer processes with `producer_processes(kind, num_blocks, seed, **kw)`.
+
+    At teardown every producer still alive must hold no blocks (every lease ended: done, aborted or
+    expired), then all are stopped.
+    """
     started: list[ProducerProcess] = []
 
     def start(*args, **kw) -> ProducerProcess:
@@ -211,8 +215,13 @@ def producer_processes():
         return p
 
     yield start
-    for p in started:
-        p.stop()
+    try:
+        for p in started:
+            if p.proc.poll() is None:
+                assert p.held_blocks(wait_s=15.0) == 0, f"producer {p.pid} still holds blocks after the test"
+    finally:
+        for p in started:
+            p.stop()
 
 
 # ---- P/D between a producer process and consumers in this process, on the backend under test ----

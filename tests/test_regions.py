@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -248,3 +250,27 @@ def test_a_region_set_keeps_its_tensors_alive_and_pickles_geometry_only() -> Non
     clone = pickle.loads(pickle.dumps(rs))
     assert clone.regions == rs.regions and clone._tensors == ()
     assert kept.data_ptr() == rs[0].base_addr  # pickling did not move the storage
+
+
+def test_per_layer_views_of_a_blocks_outermost_buffer_merge_into_one_region_per_group() -> None:
+    from kvconnect.layout import KVCacheLayout
+
+    shape = (4, 16, 2, 8, 32)  # L, B, H, N, C
+    buf = torch.arange(int(np.prod(shape)), dtype=torch.float32)
+    views = KVCacheLayout.BLHNC.per_layer_views(buf, shape)
+    caches = {f"layer.{i}": v for i, v in enumerate(views)}
+    per_layer = RegionSet.from_kv_caches(caches)
+    merged = RegionSet.from_kv_caches(caches, layer_groups=[list(caches)])
+    assert len(per_layer) == 4 and len(merged) == 1
+    page = 2 * 8 * 32 * 4
+    assert merged[0].block_bytes == 4 * page and merged[0].block_stride == 4 * page
+    ids = [3, 7, 11]
+    # One descriptor per block for every layer, where per-layer regions need one per block and layer.
+    assert len(per_layer.descriptors(ids)) == 12 and len(merged.descriptors(ids)) == 3
+    rows = merged.descriptors(ids)
+    got = np.concatenate([np.frombuffer(ctypes.string_at(int(a), int(n)), dtype=np.float32) for a, n, _ in rows])
+    want = torch.cat([torch.cat([v[b].reshape(-1) for v in views]) for b in ids]).numpy()
+    assert np.array_equal(got, want)
+    # Layers of different groups never merge: a block id of one group says nothing of the other's pages.
+    split = RegionSet.from_kv_caches(caches, layer_groups=[["layer.0", "layer.1"], ["layer.2", "layer.3"]])
+    assert [r.names for r in split] == [("layer.0", "layer.1"), ("layer.2", "layer.3")]

@@ -365,8 +365,8 @@ def test_check_compat_names_a_single_differing_field(field: str, value: object) 
     [
         (dict(label="MambaSpec"), "group 0 kind"),
         (dict(block_size=256), r"group 0 \(attention\) block size"),
-        (dict(page_bytes=(4096, 8192)), "page bytes of region 1"),
-        (dict(page_bytes=(4096,)), "region count"),
+        (dict(page_bytes=(4096, 8192)), "page bytes of its layer 1"),
+        (dict(page_bytes=(4096,)), "layer count"),
         (dict(layers="other"), "layer-to-group map"),
     ],
 )

@@ -25,7 +25,14 @@ def sampling(cmd: dict, p: dict | None):
 
     extra = {"kv_transfer_params": p} if p is not None else None
     return SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True,
-                          detokenize=False, extra_args=extra)
+                          detokenize=False, extra_args=extra, logprobs=cmd.get("logprobs"))
+
+
+def top_logprobs(output) -> list[dict[str, float]] | None:
+    """Per generated position, the top logprobs as {token id: logprob} (None when not asked for)."""
+    if output.logprobs is None:
+        return None
+    return [{str(t): lp.logprob for t, lp in pos.items()} for pos in output.logprobs]
 
 
 def run_with_aborts(llm, cmd: dict) -> dict:
@@ -95,7 +102,8 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 reply = {"ok": True, "wall_s": wall, "outputs": [
                     {"token_ids": list(r.outputs[0].token_ids), "finish_reason": r.outputs[0].finish_reason,
-                     "kv_transfer_params": r.kv_transfer_params} for r in res]}
+                     "kv_transfer_params": r.kv_transfer_params, "logprobs": top_logprobs(r.outputs[0])}
+                    for r in res]}
             else:
                 reply = {"ok": False, "error": f"unknown op {op}"}
         except Exception as exc:  # report, keep serving

@@ -40,6 +40,30 @@ def make_llama(path: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4
     return path
 
 
+def make_granite_hybrid(path: Path, *, layer_types=("mamba", "attention", "mamba", "attention"), hidden: int = 256,
+                        vocab: int = 512, seed: int = 0) -> Path:
+    """A random GraniteMoeHybrid (Mamba2 + attention layers, no experts) saved with transformers; idempotent."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, shared_intermediate_size=hidden,
+        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+        layer_types=list(layer_types), mamba_n_heads=8, mamba_d_head=hidden // 8, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=256, num_local_experts=0,
+        num_experts_per_tok=0, max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
+    model = GraniteMoeHybridForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
 def plugin_registered() -> bool:
     """Whether our vllm.general_plugins entry point is installed (else tests use the module path)."""
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -113,8 +137,9 @@ class Engine:
             raise RuntimeError(f"engine {self.name}: {reply.get('error')}\n{reply.get('trace', '')}")
         return reply
 
-    def generate(self, prompts, max_tokens=8, params=None, timeout=300.0) -> dict:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout)
+    def generate(self, prompts, max_tokens=8, params=None, timeout=300.0, logprobs=None) -> dict:
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout,
+                         logprobs=logprobs)
 
     def run(self, prompts, *, max_tokens=8, params=None, timeout=300.0, **abort) -> dict:
         """Generate while aborting some requests: abort=[indices] with abort_after_s or abort_at_first_token."""

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the preset's)")
     parser.add_argument("--block-table", default="random", choices=["random", "contiguous"])
+    parser.add_argument("--layout", default="LBHNC", choices=["LBHNC", "BLHNC"],
+                        help="attention pages layers outermost, or blocks outermost (one descriptor per block)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --plot)")
     parser.add_argument("--plot", metavar="FILE.png", help="sweep request sizes and draw GB/s for the three "
@@ -31,7 +33,7 @@ def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[
 
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=True, seed=args.seed,
-                    block_size=args.block_size)
+                    block_size=args.block_size, layout=args.layout)
     r = run_pull(spec, progress=progress_bar if show_progress else None)
     mem = memcpy_gbps(r["bytes_per_request"])
     return {

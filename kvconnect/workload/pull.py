@@ -32,6 +32,7 @@ class PullSpec:
     raw: bool = True
     seed: int = 0
     block_size: int | None = None  # tokens per block; None keeps the preset's
+    layout: str = "LBHNC"  # attention pages layers outermost, or BLHNC: blocks outermost (cross-layer)
 
     def model(self) -> Any:
         """The preset, with the block size overridden when asked."""
@@ -68,8 +69,15 @@ def blocks_match(view: torch.Tensor, ids: np.ndarray, base: torch.Tensor, region
     return bool(torch.equal(got[:, :8], _tags(region, request, ids.size)) and (got[:, 8:] == base[8:]).all())
 
 
-def _byte_views(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    return [t.view(torch.uint8).view(t.shape[0], -1) for t in caches.values()]
+def _byte_views(caches: dict[str, torch.Tensor], regions: Any) -> list[torch.Tensor]:
+    """Per region, its blocks as a `(num_blocks, block bytes)` uint8 view of the storage that holds them."""
+    out = []
+    for r in regions:
+        tensor = caches[r.names[0]]
+        storage = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+        offset = r.base_addr - tensor.untyped_storage().data_ptr()
+        out.append(storage.as_strided((r.num_blocks, r.block_bytes), (r.block_stride, 1), offset))
+    return out
 
 
 def _pick_blocks(rng: np.random.Generator, num_blocks: int, need: list[int], slots: int, table: str) -> list[list[np.ndarray]]:
@@ -99,12 +107,12 @@ def _producer_main(conn: Any, spec: PullSpec, num_blocks: int) -> None:
         finally:
             raw.close()
     preset = spec.model()
-    caches, groups = preset.allocate(num_blocks)
+    caches, groups = preset.allocate(num_blocks, spec.layout)
     conn_ = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="bench-prefill",
                                         block_size=preset.block_size, groups=groups))
     try:
         conn_.register_kv_caches(caches)
-        views = _byte_views(caches)
+        views = _byte_views(caches, conn_.regions)
         base = _base_rows(len(views), [v.shape[1] for v in views], spec.seed)
         rng = np.random.default_rng(spec.seed + 1)
         conn.send(("ready", conn_.side_channel))
@@ -165,7 +173,7 @@ class _Run:
         self.pipe, child = ctx.Pipe()
         self.proc = ctx.Process(target=_producer_main, args=(child, spec, self.num_blocks), daemon=True)
         self.proc.start()
-        self.caches, groups = self.preset.allocate(self.num_blocks)
+        self.caches, groups = self.preset.allocate(self.num_blocks, spec.layout)
         self.consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode",
                                                     block_size=self.preset.block_size, groups=groups))
         self.latencies: list[float] = []
@@ -184,7 +192,7 @@ class _Run:
             self.pipe.send(("no-raw", None))
         _recv(self.pipe, "ready", self.proc)
         self.consumer.register_kv_caches(self.caches)
-        self.views = _byte_views(self.caches)
+        self.views = _byte_views(self.caches, self.consumer.regions)
         self.base = _base_rows(len(self.views), [v.shape[1] for v in self.views], self.spec.seed)
         return raw_gbps
 

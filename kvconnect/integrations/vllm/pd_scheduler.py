@@ -1,23 +1,26 @@
 """The scheduler-side half of KVConnectNixl and KVConnectMooncake: what to hold, load, release, abort.
 
 Prefill: a request with `do_remote_decode` is tracked; in the step that computes the end of its
-prompt the worker is told to hold its blocks (`Hold`), right after that forward pass and before the
-engine can return the request; `request_finished` then keeps the blocks and hands out the params.
-Decode: a request with `do_remote_prefill` is an asynchronous external hit for its whole prompt; its
-producer's lease is heartbeated from the moment the scheduler sees it (`on_new_request`), so a long
-queue never loses it; after allocation the worker is told which local blocks to pull into (`Load`).
+prompt the worker is told to hold its blocks (`Hold`, per group the blocks `groups` selects), right
+after that forward pass and before the engine can return the request; `request_finished` then keeps
+the blocks and hands out the params. A model with a whole-sequence state (Mamba) stops one prompt
+token short, so that decode feeds it on top of the state it loads (see `groups`).
+Decode: a request with `do_remote_prefill` is an asynchronous external hit for the tokens prefill
+computed; its producer's lease is heartbeated from the moment the scheduler sees it
+(`on_new_request`), so a long queue never loses it; after allocation the worker is told which local
+blocks to pull into (`Load`), or, with nothing to pull, to release the producer's blocks (`Release`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvconnect import wire
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
+from kvconnect.integrations.vllm.groups import Groups
 from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Load, Release
 from kvconnect.integrations.vllm.params import from_vllm, to_vllm, wants_remote_decode, wants_remote_prefill
 from kvconnect.integrations.vllm.stats import StatsFile
@@ -37,12 +40,11 @@ _WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "load
 class PDScheduler:
     """Decides, per step, which requests' blocks the worker holds, pulls, releases or aborts."""
 
-    def __init__(self, config: PDConfig, *, engine_id: str, block_size: int, num_groups: int,
+    def __init__(self, config: PDConfig, *, engine_id: str, groups: Groups,
                  blocks_of: Callable[[str], tuple[list[int], ...]]):
         self.config = config
         self.engine_id = engine_id
-        self.block_size = block_size
-        self.num_groups = num_groups
+        self.groups = groups
         self._blocks_of = blocks_of
         self._peer: KVConnectHandshake | None = None
         self._meta = KVConnectMeta()
@@ -59,7 +61,9 @@ class PDScheduler:
     # ---- decode side ----
 
     def on_new_request(self, request: Request) -> None:
-        """A decode request's producer lease is kept alive from now until its load ends."""
+        """Prefill: stop short of the tokens decode must feed itself. Decode: keep the lease alive."""
+        if wants_remote_decode(request.kv_transfer_params):
+            self._leave_to_decode(request)
         if not wants_remote_prefill(request.kv_transfer_params):
             return
         try:
@@ -69,10 +73,34 @@ class PDScheduler:
         self._keeper.track(params)
         self._loading[request.request_id] = params.request_id
 
+    def _leave_to_decode(self, request: Request) -> None:
+        backoff, params = self.groups.prefill_backoff, request.kv_transfer_params
+        if not backoff or params.get("_kvconnect_backoff") or request.num_prompt_tokens <= backoff \
+                or request.prompt_token_ids is None:
+            return
+        # vLLM's own contract for this (its NIXL connector does the same): the prompt the prefill
+        # computes ends `backoff` tokens early, and it samples nothing decode would use.
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params["_kvconnect_backoff"] = backoff
+
+    def remote_tokens(self, request: Request) -> int:
+        """How many prompt tokens a decode request loads: those prefill computed, when decode can use them."""
+        n_prompt = len(request.prompt_token_ids or ())
+        remote = request.kv_transfer_params.get("remote_num_tokens", n_prompt)
+        if not isinstance(remote, int) or isinstance(remote, bool):
+            return 0
+        backoff = self.groups.prefill_backoff
+        if backoff and remote != n_prompt - backoff:
+            return 0  # a whole-sequence state of other tokens than decode has left to feed: recompute
+        return min(remote, n_prompt)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """The whole rest of the prompt is an asynchronous external hit for a remotely prefilled request."""
+        """The tokens prefill computed are an asynchronous external hit for a remotely prefilled request."""
         if wants_remote_prefill(request.kv_transfer_params):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            count = self.remote_tokens(request) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -85,7 +113,7 @@ class PDScheduler:
         elif wants_remote_prefill(params):
             params["do_remote_prefill"] = False  # one transfer per request
             if num_external_tokens > 0:
-                local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+                local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), self.remote_tokens(request))
                 self._meta.loads.append(Load(request_id=request.request_id, block_ids=local, params=dict(params)))
             else:
                 # A full local prefix hit: nothing to pull, but the producer must free its blocks.
@@ -101,8 +129,7 @@ class PDScheduler:
             n = scheduled.get(rid, 0)
             if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
                 ntok = req.num_prompt_tokens
-                nblk = math.ceil(ntok / self.block_size)
-                ids = [list(g[:nblk]) for g in self._blocks_of(rid)]
+                ids = self.groups.select(self._blocks_of(rid), ntok)
                 meta.holds.append(Hold(request_id=rid, block_ids=ids, num_tokens=ntok))
                 self._held[rid] = (ids, ntok, time.time())
                 del self._prefilling[rid]
@@ -114,8 +141,13 @@ class PDScheduler:
 
         rid = request.request_id
         self._prefilling.pop(rid, None)
+        params = request.kv_transfer_params
         if rid in self._loading:
-            if request.status == RequestStatus.FINISHED_ABORTED:
+            if wants_remote_prefill(params):
+                # Finished before it was ever allocated (aborted in the queue): free the producer's blocks.
+                params["do_remote_prefill"] = False
+                self._meta.releases.append(Release(request_id=rid, params=dict(params)))
+            elif request.status == RequestStatus.FINISHED_ABORTED:
                 self._meta.aborts.append(rid)  # vLLM frees the blocks once the worker reports the load ended
             self._stop_keeping(rid)
         held = self._held.pop(rid, None)

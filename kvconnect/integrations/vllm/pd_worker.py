@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
+from kvconnect.integrations.vllm.dump import PageDump
 from kvconnect.integrations.vllm.meta import KVConnectHandshake, KVConnectMeta
 from kvconnect.integrations.vllm.params import from_vllm
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
@@ -36,6 +37,8 @@ class PDWorker:
             handshake_timeout_s=config.handshake_timeout_s, heartbeat_s=config.heartbeat_s, block_size=block_size,
             layout=layout, groups=list(groups) or None, transport_options=dict(config.transport_options))
         self.core: KVConnector | None = None
+        self._dump: PageDump | None = None
+        self._loading: dict[str, tuple[str, list[list[int]]]] = {}  # handle -> producer request, blocks (dump only)
         self._held: set[str] = set()  # requests this worker holds blocks for
         self._abandoned: set[str] = set()  # held, but vLLM freed the blocks itself: never report as sent
         self._refused: dict[str, str] = {}  # loads refused at start, reported at the next results
@@ -46,6 +49,7 @@ class PDWorker:
         core = KVConnector(self.core_config)
         core.register_kv_caches(kv_caches)
         self.core = core
+        self._dump = PageDump.from_env(kv_caches, self.core_config.groups or ())
 
     def handshake(self) -> KVConnectHandshake | None:
         """Where this worker's producer side channel listens (None without a producer side)."""
@@ -60,7 +64,10 @@ class PDWorker:
         core = self.core
         for load in meta.loads:
             try:
-                core.start_load(from_vllm(load.params), load.block_ids, handle=load.request_id)
+                params = from_vllm(load.params)
+                core.start_load(params, load.block_ids, handle=load.request_id)
+                if self._dump is not None:
+                    self._loading[load.request_id] = (params.request_id, load.block_ids)
             except KVConnectError as exc:  # bad params or ids: the request fails as the policy says
                 log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s", load.request_id, exc)
                 self._refused[load.request_id] = str(exc)
@@ -79,6 +86,8 @@ class PDWorker:
         for hold in meta.holds:
             self.core.request_finished(hold.request_id, hold.block_ids, hold.num_tokens)
             self._held.add(hold.request_id)
+            if self._dump is not None:
+                self._dump.write("held", hold.request_id, hold.block_ids)
 
     def results(self) -> KVConnectorTransferResults:
         """Sends whose blocks are free again and loads that ended since the last call."""
@@ -92,6 +101,11 @@ class PDWorker:
                 self._abandoned.discard(rid)
             else:
                 out.finished_sending.add(rid)
+        if self._dump is not None:
+            for handle in fin.loaded:
+                self._dump.write("loaded", *self._loading.pop(handle))
+            for handle in fin.failed:
+                self._loading.pop(handle, None)
         failed = {h: str(f) for h, f in fin.failed.items()}
         failed.update(self._refused)
         self._refused = {}
