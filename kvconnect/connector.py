@@ -21,23 +21,13 @@ from kvconnect.layout import KVCacheLayout
 from kvconnect.pd.consumer import Consumer, LoadFailure
 from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.producer import Producer
-from kvconnect.regions import RegionSet
+from kvconnect.regions import KVGroup, RegionSet, resolve_groups
 from kvconnect.sidechannel.addresses import check_bind, is_wildcard
 from kvconnect.threads import unpinned
 from kvconnect.transport import BACKENDS, Transport, check_transport_options, make_transport
 
 ROLES = ("producer", "consumer", "both")
 _SECONDS = ("lease_s", "load_timeout_s", "handshake_timeout_s", "heartbeat_s")
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """One KV-cache group: the layers sharing its block table, its kind (compared, never interpreted)
-    and its tokens per block (default: the connector's `block_size`)."""
-
-    layers: tuple[str, ...]
-    label: str = "kv"
-    block_size: int | None = None
 
 
 @dataclass
@@ -130,24 +120,6 @@ def _dtype_name(kv_caches: Mapping[str, torch.Tensor]) -> str:
     return "+".join(names)[:64]
 
 
-def _resolve_groups(regions: RegionSet, groups: Sequence[KVGroup] | None) -> list[list[int]]:
-    """Region indices per group: the regions holding each group's layers (a shared region in each)."""
-    if groups is None:
-        return [list(range(len(regions)))]
-    where = {name: k for k, r in enumerate(regions) for name in r.names}
-    out = []
-    for g, group in enumerate(groups):
-        missing = [n for n in group.layers if n not in where]
-        if missing or not group.layers:
-            raise KVConnectError(f"group {g} ({group.label}) names layers that were not registered: {missing[:5]}")
-        out.append(sorted({where[n] for n in group.layers}))
-    named = {n for group in groups for n in group.layers}
-    unnamed = [n for n in where if n not in named]
-    if unnamed:
-        raise KVConnectError(f"registered layers in no group (they would never move): {unnamed[:5]}")
-    return out
-
-
 class KVConnector:
     """Moves a worker's KV blocks to and from peers; one instance per worker process."""
 
@@ -173,7 +145,7 @@ class KVConnector:
         cfg = self.config
         layers = [g.layers for g in cfg.groups] if cfg.groups else [tuple(kv_caches)]
         regions = RegionSet.from_kv_caches(kv_caches, layer_groups=layers)
-        group_regions = _resolve_groups(regions, cfg.groups)
+        group_regions = resolve_groups(regions, cfg.groups)
         self._page_bytes = {name: math.prod(t.shape[1:]) * t.element_size() for name, t in kv_caches.items()}
         # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
         transport = unpinned(lambda: self._register(regions))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvconnect.connector import KVGroup
+from kvconnect.regions import KVGroup
 from kvconnect.layout import KVCacheLayout, MambaPage
 
 
@@ -28,6 +28,8 @@ class Preset:
     dtype: torch.dtype
     mamba_layers: int = 0
     mamba_page: MambaPage | None = None
+    # A Mamba state page per block of tokens (vLLM's all-blocks Mamba prefix caching), not one per request.
+    state_every_block: bool = False
 
     @property
     def attention_page_bytes(self) -> int:
@@ -35,29 +37,32 @@ class Preset:
         return self.kv_heads * self.block_size * self.head_content * self.dtype.itemsize
 
     def blocks_for(self, tokens: int) -> list[int]:
-        """Blocks one request of `tokens` tokens needs, per KV group (Mamba keeps one state block)."""
-        groups = [math.ceil(tokens / self.block_size)]
+        """Blocks one request of `tokens` tokens needs, per KV group (Mamba keeps one state block, or one per block)."""
+        per_block = math.ceil(tokens / self.block_size)
+        groups = [per_block] if self.attention_layers else []
         if self.mamba_layers:
-            groups.append(1)
+            groups.append(per_block if self.state_every_block else 1)
         return groups
 
     def bytes_per_request(self, tokens: int) -> int:
         """Bytes one request of `tokens` tokens moves."""
         blocks = self.blocks_for(tokens)
-        total = blocks[0] * self.attention_layers * self.attention_page_bytes
+        total = blocks[0] * self.attention_layers * self.attention_page_bytes if self.attention_layers else 0
         if self.mamba_layers:
-            total += blocks[1] * self.mamba_layers * self.mamba_page.page_size_bytes
+            total += blocks[-1] * self.mamba_layers * self.mamba_page.page_size_bytes
         return total
 
     def allocate(self, num_blocks: int, layout: str = "LBHNC") -> tuple[dict[str, torch.Tensor], list[KVGroup]]:
         """Per-layer KV tensors of `num_blocks` blocks (attention pages in `layout`, a `KVCacheLayout`
         name: layers outermost, or blocks outermost so a block holds every layer) and their KV groups."""
         caches: dict[str, torch.Tensor] = {}
-        shape = (self.attention_layers, num_blocks, self.kv_heads, self.block_size, self.head_content)
-        buf = torch.zeros(math.prod(shape), dtype=self.dtype)
-        for i, view in enumerate(KVCacheLayout(layout).per_layer_views(buf, shape)):
-            caches[f"model.layers.{i}.self_attn"] = view
-        groups = [KVGroup(layers=tuple(caches), label="attention")]
+        groups = []
+        if self.attention_layers:
+            shape = (self.attention_layers, num_blocks, self.kv_heads, self.block_size, self.head_content)
+            buf = torch.zeros(math.prod(shape), dtype=self.dtype)
+            for i, view in enumerate(KVCacheLayout(layout).per_layer_views(buf, shape)):
+                caches[f"model.layers.{i}.self_attn"] = view
+            groups.append(KVGroup(layers=tuple(caches), label="attention"))
         if self.mamba_layers:
             names = [f"model.layers.{self.attention_layers + i}.mamba" for i in range(self.mamba_layers)]
             for name in names:
@@ -79,6 +84,15 @@ PRESETS: dict[str, Preset] = {
                "layers whose conv and SSM states share a 64 KiB int8 page",
                attention_layers=8, kv_heads=8, head_content=2 * 128, block_size=16, dtype=torch.bfloat16,
                mamba_layers=24,
+               mamba_page=MambaPage([(3, 2048), (16, 64, 16)], [torch.bfloat16, torch.bfloat16], 65536)),
+        # The hybrid preset's two kinds of page apart, at equal bytes per block (8 layers of 64 KiB each),
+        # so that a benchmark shows whether a Mamba page moves like an attention page.
+        Preset("hybrid-attention", "the hybrid preset's attention pages alone: 8 layers of 64 KiB pages",
+               attention_layers=8, kv_heads=8, head_content=2 * 128, block_size=16, dtype=torch.bfloat16),
+        Preset("hybrid-mamba", "the hybrid preset's Mamba state pages alone: 8 layers of 64 KiB int8 pages, one "
+               "state per block of tokens (all-blocks Mamba prefix caching)",
+               attention_layers=0, kv_heads=8, head_content=2 * 128, block_size=16, dtype=torch.bfloat16,
+               mamba_layers=8, state_every_block=True,
                mamba_page=MambaPage([(3, 2048), (16, 64, 16)], [torch.bfloat16, torch.bfloat16], 65536)),
     )
 }

@@ -395,3 +395,31 @@ def pair_descriptors(
     both = local._contiguous[sel] & remote._contiguous[sel]
     starts, lengths = _runs(lids, rids)
     return _build(local, sel, lids, starts, lengths, both), _build(remote, sel, rids, starts, lengths, both)
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: the layers sharing its block table, its kind (compared, never interpreted)
+    and its tokens per block (default: the connector's `block_size`)."""
+
+    layers: tuple[str, ...]
+    label: str = "kv"
+    block_size: int | None = None
+
+
+def resolve_groups(regions: RegionSet, groups: Sequence[KVGroup] | None) -> list[list[int]]:
+    """Region indices per group: the regions holding each group's layers (a shared region in each)."""
+    if groups is None:
+        return [list(range(len(regions)))]
+    where = {name: k for k, r in enumerate(regions) for name in r.names}
+    out = []
+    for g, group in enumerate(groups):
+        missing = [n for n in group.layers if n not in where]
+        if missing or not group.layers:
+            raise LayoutError(f"group {g} ({group.label}) names layers that were not registered: {missing[:5]}")
+        out.append(sorted({where[n] for n in group.layers}))
+    named = {n for group in groups for n in group.layers}
+    unnamed = [n for n in where if n not in named]
+    if unnamed:
+        raise LayoutError(f"registered layers in no group (they would never move): {unnamed[:5]}")
+    return out

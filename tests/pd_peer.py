@@ -99,13 +99,22 @@ def make_caches(kind: str, num_blocks: int, seed: int,
     elif kind == "mla":  # one 576-element latent per token, 3 layers
         caches = {f"layers.{i}.mla": rand(num_blocks, 16 * 576 * 2).view(torch.bfloat16).view(num_blocks, 16, 576)
                   for i in range(3)}
-    elif kind == "hybrid":  # 2 attention layers + 2 Mamba layers (int8 pages), two KV groups
+    elif kind.startswith("hybrid"):  # 2 attention layers + 2 Mamba layers (int8 pages), two KV groups
+        # Variants a decode must refuse: smaller Mamba pages, one group of all layers, layers regrouped.
+        state = 2048 if kind == "hybrid-small-state" else 4096
         caches = {f"layers.{i}.attn": rand(num_blocks, 4096).view(torch.bfloat16).view(num_blocks, 1, 16, 128)
                   for i in (0, 2)}
-        caches.update({f"layers.{i}.mamba": rand(num_blocks, 4096).view(torch.int8).view(num_blocks, 1, 1, 4096)
+        caches.update({f"layers.{i}.mamba": rand(num_blocks, state).view(torch.int8).view(num_blocks, 1, 1, state)
                        for i in (1, 3)})
         groups = [KVGroup(layers=("layers.0.attn", "layers.2.attn"), label="attention"),
                   KVGroup(layers=("layers.1.mamba", "layers.3.mamba"), label="mamba")]
+        if kind == "hybrid-one-group":
+            groups = [KVGroup(layers=tuple(caches), label="attention")]
+        elif kind == "hybrid-regrouped":
+            groups = [KVGroup(layers=("layers.0.attn", "layers.1.mamba"), label="attention"),
+                      KVGroup(layers=("layers.2.attn", "layers.3.mamba"), label="mamba")]
+        elif kind not in ("hybrid", "hybrid-small-state"):
+            raise ValueError(kind)
     elif kind == "cross":  # one cross-layer tensor: blocks outermost, 4 layers inside each block
         caches = {"all_layers":
                   rand(num_blocks, 4 * 2 * 16 * 64 * 2).view(torch.float16).view(num_blocks, 4, 2, 16, 64)}

@@ -16,6 +16,7 @@ from kvconnect.layout import KVCacheLayout, MambaPage
 from kvconnect.offload import OffloadConnector
 from kvconnect.offload.mover import region_rows
 from kvconnect.presets import PRESETS
+from kvconnect.regions import KVGroup
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
 GATE_S = 10.0  # bound on every test-side wait for a worker
@@ -480,3 +481,90 @@ def test_close_is_bounded_and_cancels_what_a_stuck_worker_left_queued(monkeypatc
     tier.close()
     with pytest.raises(KVConnectError, match="closed"):
         tier.lookup([b"s"])
+
+
+# ---- KV-cache groups (hybrid models) ----
+
+PAGE = 512  # bytes of one block of one shared tensor, as vLLM pads every group's page to one size
+STATE = 200  # bytes of a Mamba layer's real state inside that page
+
+
+def _vllm_hybrid(blocks: int, seed: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[KVGroup]]:
+    """vLLM's hybrid layout: each shared tensor is one attention layer's pages and one Mamba layer's state pages."""
+    bufs = [random_bytes_(torch.empty(blocks * PAGE, dtype=torch.uint8), seed + k) for k in range(2)]
+    caches: dict[str, torch.Tensor] = {}
+    for k, buf in enumerate(bufs):
+        caches[f"layers.{2 * k}.mamba"] = buf.view(torch.int8).as_strided((blocks, 1, 1, STATE), (PAGE, STATE, STATE, 1))
+        caches[f"layers.{2 * k + 1}.attn"] = buf.view(torch.float32).view(blocks, 2, 4, PAGE // 32)
+    groups = [KVGroup(layers=("layers.0.mamba", "layers.2.mamba"), label="MambaSpec", block_size=64),
+              KVGroup(layers=("layers.1.attn", "layers.3.attn"), label="FullAttentionSpec", block_size=4)]
+    return bufs, caches, groups
+
+
+def _pages(bufs: list[torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [b.view(-1, PAGE)[ids].clone() for b in bufs]
+
+
+def test_hybrid_groups_store_and_load_by_their_own_block_tables_and_keys() -> None:
+    bufs, caches, groups = _vllm_hybrid(blocks=16, seed=5)
+    tier = OffloadConnector(8 * 2 * PAGE, block_size=4)
+    regions = tier.register_kv_caches(caches, groups)
+    assert len(regions) == 2 and tier.num_slots == 8  # aliases merged: one region per shared tensor
+    tokens = np.arange(64)
+    attn_keys, mamba_keys = tier.block_keys(tokens, group=1), tier.block_keys(tokens, group=0)
+    assert len(attn_keys) == 16 and len(mamba_keys) == 1  # each group's own tokens per block
+    assert not set(attn_keys) & set(mamba_keys) and tier.block_keys(tokens[:4], group=0) == []
+    want_attn, want_state = _pages(bufs, [3, 4, 5]), _pages(bufs, [9])
+    tier.wait(tier.store(attn_keys[:3], [3, 4, 5], group=1))
+    tier.wait(tier.store(mamba_keys, [9], group=0))
+    assert tier.lookup(attn_keys) == 3 and tier.lookup(mamba_keys) == 1
+    for b in bufs:
+        b.zero_()
+    tier.wait(tier.load(mamba_keys, [0], group=0))
+    tier.wait(tier.load_prefix(attn_keys[:4], [10, 11, 12, 13], group=1))
+    assert all(torch.equal(g, w) for g, w in zip(_pages(bufs, [10, 11, 12]), want_attn))
+    assert all(torch.equal(g, w) for g, w in zip(_pages(bufs, [0]), want_state))
+    assert all(int(b.view(-1, PAGE)[13].count_nonzero()) == 0 for b in bufs)  # the miss wrote nothing
+    stats = tier.stats()
+    assert stats.bytes_stored == 4 * 2 * PAGE and stats.bytes_loaded == 4 * 2 * PAGE
+    tier.close()
+
+
+def test_a_group_copies_only_its_own_regions() -> None:
+    """Groups over disjoint tensors: storing and loading one group never reads or writes the other's."""
+    bufs = [random_bytes_(torch.empty(8 * PAGE, dtype=torch.uint8), 40 + k) for k in range(3)]
+    caches = {f"layers.{k}": b.view(8, PAGE) for k, b in enumerate(bufs)}
+    groups = [KVGroup(layers=("layers.0", "layers.1"), label="full"), KVGroup(layers=("layers.2",), label="sliding")]
+    tier = OffloadConnector(4 * 3 * PAGE)
+    tier.register_kv_caches(caches, groups)
+    keys = _keys("full", 2)
+    want = _pages(bufs, [1, 2])
+    tier.wait(tier.store(keys, [1, 2], group=0))
+    for b in bufs:
+        b.zero_()
+    before = bufs[2].clone()
+    tier.wait(tier.load(keys, [5, 6], group=0))
+    assert all(torch.equal(g, w) for g, w in zip(_pages(bufs[:2], [5, 6]), want[:2]))
+    assert torch.equal(bufs[2], before)
+    assert tier.stats().bytes_loaded == 2 * 2 * PAGE
+    tier.close()
+
+
+def test_group_bad_input_is_refused_before_any_copy() -> None:
+    bufs, caches, groups = _vllm_hybrid(blocks=4, seed=6)
+    with pytest.raises(LayoutError, match="names layers that were not registered"):
+        OffloadConnector(1 << 20).register_kv_caches(caches, [*groups, KVGroup(layers=("layers.9.attn",))])
+    with pytest.raises(LayoutError, match="in no group"):
+        OffloadConnector(1 << 20).register_kv_caches(caches, groups[:1])
+    with pytest.raises(KVConnectError, match="non-empty list of KVGroup"):
+        OffloadConnector(1 << 20).register_kv_caches(caches, [])
+    tier = OffloadConnector(4 * 2 * PAGE)
+    tier.register_kv_caches(caches, groups)
+    with pytest.raises(KVConnectError, match="group must be an index"):
+        tier.store(_keys("k", 1), [0], group=2)
+    with pytest.raises(KVConnectError, match="group must be an index"):
+        tier.block_keys(np.arange(8), group=-1)
+    with pytest.raises(BlockRangeError):
+        tier.store(_keys("k", 1), [4], group=1)
+    assert tier.manager.held() == 0
+    tier.close()

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import PRODUCER_SEED, assert_pulled, byte_rows, real_transport, snapshot, wait_for
+from kvconnect.errors import BlockRangeError, KVConnectError
 from kvconnect.faults import FaultyTransport
 from pd_peer import Topology
 
@@ -193,6 +194,9 @@ def test_a_dead_side_channel_fails_the_load_within_the_handshake_deadline(consum
               "block_ids": [[1]], "num_tokens": 16, "lease_expiry": time.time() + 30, "incarnation": "abc"}
     t0 = time.monotonic()
     conn.start_load(params, [[0]])
+    # While a load reads a lease, releasing that lease would free blocks under the READ: refused.
+    with pytest.raises(KVConnectError, match="is being read by load 'x'; abort that load instead"):
+        conn.release_remote(params)
     res = wait_for(conn, ["x"], timeout=5.0)
     assert "handshake" in res.failed["x"] and time.monotonic() - t0 < 1.0 + 3.0
 
@@ -229,3 +233,35 @@ def test_a_consumer_on_another_backend_fails_at_handshake_naming_the_transport(p
     reason = wait_for(conn, ["mixed"]).failed["mixed"]
     assert "handshake" in reason and "transport" in reason and backend in reason and other in reason
     assert producer.held_blocks() == 0
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("hybrid-small-state", "group 1 (mamba) page bytes of its layer 0: ours 2048, peer's 4096"),
+    ("hybrid-regrouped", "layer-to-group map"),
+])
+def test_a_decode_with_another_hybrid_layout_fails_at_handshake_naming_the_difference(
+        kind, named, producers, consumers) -> None:
+    producer = producers("hybrid", 16, PRODUCER_SEED)
+    conn, caches = consumers(kind, 16)
+    before = snapshot(caches, conn)
+    params = producer.hold("other-layout", [np.array([1, 2]), np.array([3])], tokens=32)
+    conn.start_load(params, [[4, 5], [6]])
+    reason = wait_for(conn, ["other-layout"]).failed["other-layout"]
+    assert "handshake" in reason and "incompatible peer" in reason and named in reason, reason
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(caches, conn), before))  # nothing written
+    assert producer.held_blocks() == 0
+
+
+def test_a_decode_with_another_group_count_is_refused_at_start_and_can_release(producers, consumers) -> None:
+    producer = producers("hybrid", 16, PRODUCER_SEED)
+    conn, caches = consumers("hybrid-one-group", 16)
+    before = snapshot(caches, conn)
+    params = producer.hold("one-group", [np.array([1, 2]), np.array([3])], tokens=32)
+    with pytest.raises(BlockRangeError, match="transfer params carry 2 KV groups, this connector has 1"):
+        conn.start_load(params, [[4, 5]])
+    conn.release_remote(params)
+    deadline = time.monotonic() + 10
+    while producer.held_blocks() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert producer.held_blocks() == 0
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(caches, conn), before))

@@ -12,6 +12,13 @@ Typical use by an engine:
     job = tier.load(keys[:hit], block_ids[:hit]) # poll() or wait(job) before using those blocks
     ...
     tier.store_request(all_token_ids, block_ids) # when the request finishes; keep its blocks until done
+
+Hybrid models register their KV-cache groups (`groups=[KVGroup(...), ...]`): each group has its own
+block table, its own tokens per block and its own keys (salted by group, so a Mamba group's block is
+never taken for an attention group's block of the same tokens), and every call names its `group`.
+All groups share one slot space: a slot holds one block of the regions of the group that stored it.
+In vLLM's hybrid layout every group spans every region (groups share the tensors), so no slot bytes
+are wasted; groups over disjoint regions leave the other groups' part of a slot unused.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.keys import block_keys, check_keys
 from kvconnect.offload.manager import OffloadManager, OffloadStats
 from kvconnect.offload.mover import BlockMover
-from kvconnect.regions import BlockIds, RegionSet
+from kvconnect.regions import BlockIds, KVGroup, RegionSet, resolve_groups
 
 
 class OffloadConnector:
@@ -55,6 +62,8 @@ class OffloadConnector:
         self.salt = salt
         self._workers = workers
         self._regions: RegionSet | None = None
+        self._groups: list[KVGroup] = []
+        self._group_regions: list[np.ndarray] = []
         self._manager: OffloadManager | None = None
         self._mover: BlockMover | None = None
         self._runner: JobRunner | None = None
@@ -62,11 +71,16 @@ class OffloadConnector:
 
     # ---- setup ----
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> RegionSet:
-        """Register the engine's KV tensors and allocate the host pool: as many slots as `cpu_bytes` holds."""
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor],
+                           groups: Sequence[KVGroup] | None = None) -> RegionSet:
+        """Register the engine's KV tensors (and KV-cache groups) and allocate as many slots as `cpu_bytes` holds."""
         if self._regions is not None:
             raise KVConnectError("register_kv_caches was already called on this connector")
-        regions = RegionSet.from_kv_caches(kv_caches)
+        if groups is not None and (not groups or not all(isinstance(g, KVGroup) for g in groups)):
+            raise KVConnectError("groups must be a non-empty list of KVGroup")
+        regions = RegionSet.from_kv_caches(kv_caches, None if groups is None else [g.layers for g in groups])
+        self._group_regions = [np.asarray(sel, dtype=np.int64) for sel in resolve_groups(regions, groups)]
+        self._groups = list(groups) if groups is not None else [KVGroup(layers=tuple(regions.names))]
         slot_bytes = sum(r.block_bytes for r in regions)
         num_slots = self.cpu_bytes // slot_bytes
         if num_slots == 0:
@@ -102,15 +116,34 @@ class OffloadConnector:
         return self._ready()[2].slot_bytes
 
     @property
+    def groups(self) -> list[KVGroup]:
+        """The registered KV-cache groups (one of every layer unless groups were given)."""
+        self._ready()
+        return list(self._groups)
+
+    def _group(self, group: int) -> tuple[np.ndarray, int]:
+        """(region indices, bytes of one block) of group `group`."""
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self._groups):
+            raise KVConnectError(f"group must be an index in [0, {len(self._groups)}), got {group!r}")
+        sel = self._group_regions[group]
+        return sel, sum(self._regions[int(k)].block_bytes for k in sel)
+
+    @property
     def manager(self) -> OffloadManager:
         """The scheduler-side state (keys, slots, policy)."""
         return self._ready()[1]
 
     # ---- keys and lookup ----
 
-    def block_keys(self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None) -> list[bytes]:
-        """Chained content keys of the full blocks of `token_ids` (see kvconnect.offload.keys)."""
-        return block_keys(token_ids, self.block_size, parent=parent, salt=self.salt)
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None,
+                   group: int = 0) -> list[bytes]:
+        """Chained content keys of the full blocks of `token_ids` in `group` (see kvconnect.offload.keys)."""
+        self._ready()
+        self._group(group)
+        block_size = self._groups[group].block_size or self.block_size
+        # One group keeps the plain salt (keys as without groups); several are kept apart by index and kind.
+        salt = self.salt if len(self._groups) == 1 else self.salt + f"\0group{group}:{self._groups[group].label}".encode()
+        return block_keys(token_ids, block_size, parent=parent, salt=salt)
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many leading blocks of `keys` the tier holds; unknown keys are misses, never errors."""
@@ -118,51 +151,53 @@ class OffloadConnector:
 
     # ---- moves ----
 
-    def store(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
-        """Copy block `block_ids[i]` into the tier under `keys[i]`, asynchronously; keep the blocks until done.
+    def store(self, keys: Sequence[Hashable], block_ids: BlockIds, group: int = 0) -> OffloadJob:
+        """Copy block `block_ids[i]` of `group` into the tier under `keys[i]`, asynchronously; keep the blocks until done.
 
         Keys already held are skipped; when the tier is full of blocks in flight, the tail that finds
         no room is dropped (`stats().dropped`). Stored blocks become visible to `lookup` only when the
         job succeeded; a failed job publishes none of them.
         """
         regions, manager, mover, runner = self._ready()
+        sel, nbytes = self._group(group)
         keys = check_keys(keys)
-        ids = regions.validate(block_ids)
+        ids = regions.validate(block_ids, sel)
         if ids.size != len(keys):
             raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
         after = mover.engine_event()
         plan = manager.prepare_store(keys)
         src = ids[plan.positions]
-        job = OffloadJob("store", plan.keys, src, len(plan) * mover.slot_bytes,
-                         lambda: mover.store(src, plan.slots, after, self.timeout_s),
-                         lambda err: manager.complete_store(plan, err is None))
+        job = OffloadJob("store", plan.keys, src, len(plan) * nbytes,
+                         lambda: mover.store(src, plan.slots, after, self.timeout_s, regions=sel),
+                         lambda err: manager.complete_store(plan, err is None, nbytes))
         return self._submit(runner, job, empty=len(plan) == 0)
 
     def store_request(self, token_ids: Sequence[int] | np.ndarray, block_ids: BlockIds,
-                      parent: bytes | None = None) -> OffloadJob:
-        """Store the full blocks of a finished request: keys from its tokens, its leading block ids."""
-        keys = self.block_keys(token_ids, parent)
-        ids = self._ready()[0].validate(block_ids)
+                      parent: bytes | None = None, group: int = 0) -> OffloadJob:
+        """Store the full blocks of a finished request in `group`: keys from its tokens, its leading block ids."""
+        keys = self.block_keys(token_ids, parent, group)
+        ids = self._ready()[0].validate(block_ids, self._group(group)[0])
         if ids.size < len(keys):
             raise BlockRangeError(f"{len(keys)} full blocks of tokens but only {ids.size} block ids")
-        return self.store(keys, ids[: len(keys)])
+        return self.store(keys, ids[: len(keys)], group)
 
-    def load(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
-        """Copy the tier's blocks of `keys` into `block_ids`, asynchronously; every key must be held."""
-        return self._load(keys, block_ids, prefix=False)
+    def load(self, keys: Sequence[Hashable], block_ids: BlockIds, group: int = 0) -> OffloadJob:
+        """Copy the tier's blocks of `keys` into blocks `block_ids` of `group`, asynchronously; every key must be held."""
+        return self._load(keys, block_ids, group, prefix=False)
 
-    def load_prefix(self, keys: Sequence[Hashable], block_ids: BlockIds) -> OffloadJob:
+    def load_prefix(self, keys: Sequence[Hashable], block_ids: BlockIds, group: int = 0) -> OffloadJob:
         """Lookup and load at once: the leading held blocks of `keys` into the leading `block_ids`.
 
         Safe against concurrent stores evicting between a separate `lookup` and `load`; the job's
         `num_blocks` is the number of hits (counted in the lookup stats).
         """
-        return self._load(keys, block_ids, prefix=True)
+        return self._load(keys, block_ids, group, prefix=True)
 
-    def _load(self, keys: Sequence[Hashable], block_ids: BlockIds, prefix: bool) -> OffloadJob:
+    def _load(self, keys: Sequence[Hashable], block_ids: BlockIds, group: int, prefix: bool) -> OffloadJob:
         regions, manager, mover, runner = self._ready()
+        sel, nbytes = self._group(group)
         keys = check_keys(keys)
-        ids = regions.validate(block_ids)
+        ids = regions.validate(block_ids, sel)
         if ids.size != len(keys):
             raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
         if np.unique(ids).size != ids.size:
@@ -171,9 +206,9 @@ class OffloadConnector:
         after = mover.engine_event()
         plan = manager.prepare_load_prefix(keys) if prefix else manager.prepare_load(keys)
         ids = ids[: len(plan)]
-        job = OffloadJob("load", plan.keys, ids, len(plan) * mover.slot_bytes,
-                         lambda: mover.load(plan.slots, ids, after, self.timeout_s),
-                         lambda err: manager.complete_load(plan, err is None))
+        job = OffloadJob("load", plan.keys, ids, len(plan) * nbytes,
+                         lambda: mover.load(plan.slots, ids, after, self.timeout_s, regions=sel),
+                         lambda err: manager.complete_load(plan, err is None, nbytes))
         return self._submit(runner, job, empty=len(plan) == 0)
 
     def _submit(self, runner: JobRunner, job: OffloadJob, empty: bool) -> OffloadJob:

@@ -178,8 +178,11 @@ class OffloadManager:
             return StorePlan(tuple(new_keys), np.asarray(positions, dtype=np.int64),
                              np.asarray(slots, dtype=np.int64), skipped, dropped)
 
-    def complete_store(self, plan: StorePlan, ok: bool) -> None:
-        """Publish the plan's keys, or on failure publish none of them and free their slots."""
+    def complete_store(self, plan: StorePlan, ok: bool, slot_bytes: int | None = None) -> None:
+        """Publish the plan's keys, or on failure publish none of them and free their slots.
+
+        `slot_bytes`: bytes each block moved (a group's part of a slot), default the whole slot.
+        """
         with self._lock:
             for key in plan.keys:
                 entry = self._entries[key]
@@ -192,7 +195,7 @@ class OffloadManager:
             self._stats.in_flight -= len(plan)
             if ok:
                 self._stats.stores += len(plan)
-                self._stats.bytes_stored += len(plan) * self.slot_bytes
+                self._stats.bytes_stored += len(plan) * (self.slot_bytes if slot_bytes is None else slot_bytes)
             else:
                 self._stats.failed_stores += 1
 
@@ -220,15 +223,15 @@ class OffloadManager:
         with self._lock:
             return self.prepare_load(list(keys)[: self.lookup(keys)])
 
-    def complete_load(self, plan: LoadPlan, ok: bool) -> None:
-        """Unpin the plan's slots; the blocks stay in the tier either way."""
+    def complete_load(self, plan: LoadPlan, ok: bool, slot_bytes: int | None = None) -> None:
+        """Unpin the plan's slots; the blocks stay in the tier either way (`slot_bytes` as in complete_store)."""
         with self._lock:
             for key in plan.keys:
                 self._entries[key].pins -= 1
             self._stats.in_flight -= len(plan)
             if ok:
                 self._stats.loads += len(plan)
-                self._stats.bytes_loaded += len(plan) * self.slot_bytes
+                self._stats.bytes_loaded += len(plan) * (self.slot_bytes if slot_bytes is None else slot_bytes)
             else:
                 self._stats.failed_loads += 1
 

@@ -109,6 +109,11 @@ class BlockMover:
         """Bytes of one slot: one block of every region."""
         return sum(self.block_bytes)
 
+    def _parts(self, regions: np.ndarray | None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(cache rows, pool, block bytes) of the selected regions (all by default)."""
+        picked = range(len(self.rows)) if regions is None else [int(k) for k in regions]
+        return [(self.rows[k], self.pool[k], self.block_bytes[k]) for k in picked]
+
     def engine_event(self) -> "torch.cuda.Event | None":
         """On CUDA, an event on the caller's current stream: copies start after the work queued so far."""
         if not self.is_cuda:
@@ -119,22 +124,24 @@ class BlockMover:
 
     # ---- store: cache rows -> pool slots ----
 
-    def store(self, block_ids: np.ndarray, slots: np.ndarray, after=None, timeout: float = 60.0) -> None:
-        """Copy blocks `block_ids` of every region into pool `slots`; returns when the bytes are in the pool."""
+    def store(self, block_ids: np.ndarray, slots: np.ndarray, after=None, timeout: float = 60.0,
+              regions: np.ndarray | None = None) -> None:
+        """Copy blocks `block_ids` of the selected regions (default all) into pool `slots`; returns when in the pool."""
         if block_ids.size == 0:
             return
+        parts = self._parts(regions)
         if self.is_cuda:
             self._check_usable()
-            self._store_cuda(block_ids, slots, after, timeout)
+            self._store_cuda(parts, block_ids, slots, after, timeout)
         else:
-            self._host_copy(block_ids, slots, to_pool=True)
+            self._host_copy(parts, block_ids, slots, to_pool=True)
 
-    def _host_copy(self, block_ids: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
+    def _host_copy(self, parts: list, block_ids: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
         """Host copies between cache rows and pool slots: one call per run of slots, or per staging chunk."""
         ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
         pos, first, count = slot_runs(slots)
         if pos.size <= self.max_runs:
-            for rows, pool in zip(self.rows, self.pool):
+            for rows, pool, _ in parts:
                 for p, a, n in zip(pos.tolist(), first.tolist(), count.tolist()):
                     if to_pool:
                         torch.index_select(rows, 0, ids[p:p + n], out=pool[a:a + n])
@@ -143,7 +150,7 @@ class BlockMover:
             return
         slot_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         src_ids, dst_ids = (ids, slot_t) if to_pool else (slot_t, ids)
-        for rows, pool, nbytes in zip(self.rows, self.pool, self.block_bytes):
+        for rows, pool, nbytes in parts:
             src, dst = (rows, pool) if to_pool else (pool, rows)
             chunk = max(1, self.stage_bytes // nbytes)
             stage = torch.empty((min(chunk, ids.numel()), rows.shape[1]), dtype=rows.dtype)
@@ -168,7 +175,7 @@ class BlockMover:
         keep.append(host)  # the asynchronous copy reads it until the completion event
         return host.to(self.device, non_blocking=True)
 
-    def _store_cuda(self, block_ids: np.ndarray, slots: np.ndarray, after, timeout: float) -> None:
+    def _store_cuda(self, parts: list, block_ids: np.ndarray, slots: np.ndarray, after, timeout: float) -> None:
         pos, first, count = slot_runs(slots)
         direct = pos.size <= self.max_runs
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -177,7 +184,7 @@ class BlockMover:
             if after is not None:
                 self._stream.wait_event(after)
             ids = self._device_ids(block_ids, keep)
-            for rows, pool in zip(self.rows, self.pool):
+            for rows, pool, _ in parts:
                 # Gather on the GPU (its bandwidth is plentiful), then one device-to-host copy per run.
                 gathered = rows.index_select(0, ids)
                 if direct:
@@ -198,17 +205,19 @@ class BlockMover:
 
     # ---- load: pool slots -> cache rows ----
 
-    def load(self, slots: np.ndarray, block_ids: np.ndarray, after=None, timeout: float = 60.0) -> None:
-        """Copy pool `slots` into blocks `block_ids` of every region; returns when the bytes are in the cache."""
+    def load(self, slots: np.ndarray, block_ids: np.ndarray, after=None, timeout: float = 60.0,
+             regions: np.ndarray | None = None) -> None:
+        """Copy pool `slots` into blocks `block_ids` of the selected regions (default all); returns when in the cache."""
         if block_ids.size == 0:
             return
+        parts = self._parts(regions)
         if self.is_cuda:
             self._check_usable()
-            self._load_cuda(slots, block_ids, after, timeout)
+            self._load_cuda(parts, slots, block_ids, after, timeout)
         else:
-            self._host_copy(block_ids, slots, to_pool=False)
+            self._host_copy(parts, block_ids, slots, to_pool=False)
 
-    def _load_cuda(self, slots: np.ndarray, block_ids: np.ndarray, after, timeout: float) -> None:
+    def _load_cuda(self, parts: list, slots: np.ndarray, block_ids: np.ndarray, after, timeout: float) -> None:
         pos, first, count = slot_runs(slots)
         direct = pos.size <= self.max_runs
         slot_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
@@ -217,7 +226,7 @@ class BlockMover:
             if after is not None:
                 self._stream.wait_event(after)
             ids = self._device_ids(block_ids, keep)
-            for rows, pool in zip(self.rows, self.pool):
+            for rows, pool, _ in parts:
                 staging = torch.empty((block_ids.size, rows.shape[1]), dtype=rows.dtype, device=self.device)
                 if direct:
                     for p, a, n in zip(pos.tolist(), first.tolist(), count.tolist()):

@@ -108,6 +108,10 @@ class Consumer:
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")
+            if params.request_id in self._leases:
+                # The producer would free blocks a READ in flight is still reading.
+                raise KVConnectError(f"producer request {params.request_id!r} is being read by load "
+                                     f"{self._leases[params.request_id]!r}; abort that load instead")
             self._worker(PeerAddr.of(params)).inbox.put(("release", params.request_id))
 
     def poll(self) -> LoadResults:

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvconnect.connector import KVGroup
+from kvconnect.regions import KVGroup
 
 ENV = "KVCONNECT_DUMP_DIR"
 

@@ -63,6 +63,7 @@ class PDWorker:
         """Before the forward pass: start this step's pulls, send its releases, then its aborts."""
         core = self.core
         for load in meta.loads:
+            params = None
             try:
                 params = from_vllm(load.params)
                 core.start_load(params, load.block_ids, handle=load.request_id)
@@ -71,15 +72,23 @@ class PDWorker:
             except KVConnectError as exc:  # bad params or ids: the request fails as the policy says
                 log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s", load.request_id, exc)
                 self._refused[load.request_id] = str(exc)
+                if params is not None:
+                    self._release(params, load.request_id)  # the producer need not wait out its lease
         for release in meta.releases:
             try:
-                core.release_remote(from_vllm(release.params))
+                self._release(from_vllm(release.params), release.request_id)
             except KVConnectError as exc:
                 log.info("kvconnect: could not release the remote blocks of %s: %s", release.request_id, exc)
         for rid in meta.aborts:
             if rid in self._held:
                 self._abandoned.add(rid)
             core.abort(rid)
+
+    def _release(self, params, request_id: str) -> None:
+        try:
+            self.core.release_remote(params)
+        except KVConnectError as exc:
+            log.info("kvconnect: could not release the remote blocks of %s: %s", request_id, exc)
 
     def after_forward(self, meta: KVConnectMeta) -> None:
         """The forward pass that wrote these prompts' KV is done: hold them before vLLM can return them."""
