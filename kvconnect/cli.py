@@ -11,9 +11,11 @@ import argparse
 import importlib
 import sys
 import traceback
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from kvconnect import __version__
+from kvconnect.cliargs import UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_ERROR = 0, 1, 2, 3, 4
 
@@ -62,8 +64,17 @@ def _missing(exc: ModuleNotFoundError, extra: str) -> int:
     return EXIT_ENVIRONMENT
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `kvconnect` console script."""
+@dataclass
+class Parsed:
+    """A command line resolved to its command: the module that runs it and its parsed arguments."""
+
+    prog: str
+    extra: str  # the extra that provides the command's dependencies
+    module: Any = None
+    args: argparse.Namespace | None = None
+
+
+def _resolve(argv: Sequence[str] | None) -> tuple[Parsed, str, list[str]]:
     top = _top_parser()
     args = top.parse_args(argv)
     rest, prog = list(args.rest), f"kvconnect {args.command}"
@@ -71,22 +82,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if entry is None:  # bench NAME
         if not rest or rest[0] in ("-h", "--help"):
             print(f"usage: kvconnect bench NAME [options]\n\nbenchmarks:\n{_table(BENCHES)}")
-            return EXIT_OK if rest else EXIT_USAGE
+            top.exit(EXIT_OK if rest else EXIT_USAGE)
         if rest[0] not in BENCHES:
             top.exit(EXIT_USAGE, f"kvconnect bench: error: unknown benchmark {rest[0]!r} "
                                  f"(choose from {', '.join(BENCHES)})\n")
         entry, prog, rest = BENCHES[rest[0]], f"{prog} {rest[0]}", rest[1:]
     module, help_, extra = entry
+    return Parsed(prog, extra), module, [help_, *rest]
+
+
+def parse(argv: Sequence[str] | None = None) -> Parsed:
+    """Resolve and parse a command line without running it; SystemExit(2) when it is bad."""
+    parsed, module, (help_, *rest) = _resolve(argv)
+    parsed.module = importlib.import_module(module)
+    parser = _Parser(prog=parsed.prog, description=help_)
+    parsed.module.add_arguments(parser)
+    parsed.args = parser.parse_args(rest)
+    return parsed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvconnect` console script."""
+    parsed = _resolve(argv)[0]  # usage errors of the command name exit here, with code 2
     try:
-        mod = importlib.import_module(module)
-        parser = _Parser(prog=prog, description=help_)
-        mod.add_arguments(parser)
-        sub = parser.parse_args(rest)
-        return int(mod.run(sub) or EXIT_OK)
+        parsed = parse(argv)
+        return int(parsed.module.run(parsed.args) or EXIT_OK)
     except ModuleNotFoundError as exc:
         if (exc.name or "").startswith("kvconnect"):
             raise
-        return _missing(exc, extra)
+        return _missing(exc, parsed.extra)
+    except UsageError as exc:
+        print(f"{parsed.prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except SystemExit:
@@ -94,7 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:  # a crash is a bug: show it, and say so in the exit code
         traceback.print_exc()
         return EXIT_ERROR
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,14 +9,16 @@ import sys
 import time
 from typing import Any
 
+from kvconnect.cliargs import positive_int, preset_names
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect demo`."""
     parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--preset", default="llama3-8b", help="KV-cache shape: llama3-8b, llama3-70b-tp8, mla, hybrid")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
+    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="KV-cache shape")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per request")
+    parser.add_argument("--requests", type=positive_int, default=8)
+    parser.add_argument("--concurrency", type=positive_int, default=2, help="requests in flight at once")
     parser.add_argument("--block-table", default="random", choices=["random", "contiguous"],
                         help="how block ids are laid out on each side")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw-backend baseline")
@@ -29,11 +31,7 @@ def run(args: argparse.Namespace) -> int:
     # NIXL logs every agent it creates at INFO; the demo's own summary says what matters.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvconnect.workload.pull import PullSpec, progress_bar, run_pull
-    from kvconnect.presets import PRESETS
 
-    if args.preset not in PRESETS:
-        print(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
-        return 2
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=not args.no_raw,
                     seed=args.seed)

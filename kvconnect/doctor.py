@@ -89,22 +89,28 @@ def _cuda() -> dict[str, Any]:
 
 def _side_channel(host: str) -> dict[str, Any]:
     from kvconnect.sidechannel import resolve_secret
+    from kvconnect.sidechannel.addresses import is_local, is_loopback, is_wildcard
 
     secret = resolve_secret(None) is not None
-    loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-    wildcard = host in ("0.0.0.0", "*", "::", "[::]")
-    hint = ""
+    loopback, wildcard = is_loopback(host), is_wildcard(host)
+    bindable = is_local(host)  # by binding it: a string comparison cannot tell
+    hints = []
+    if not bindable:
+        hints.append(f"{host!r} is not an address of this host (binding it failed): use one of its own "
+                     "addresses, and advertise_host for the name peers use")
     if wildcard:
-        hint = "a wildcard bind needs allow_wildcard=True; prefer the one interface peers use"
+        hints.append("a wildcard bind needs allow_wildcard=True; prefer the one interface peers use")
     if not loopback and not secret:
-        hint = (hint + "; " if hint else "") + "set KVCONNECT_SECRET on every worker: this side channel leaves the host"
-    return {"host": host, "loopback": loopback, "secret_set": secret, "hint": hint}
+        hints.append("set KVCONNECT_SECRET on every worker: this side channel leaves the host")
+    return {"host": host, "loopback": loopback, "bindable": bindable, "secret_set": secret, "hint": "; ".join(hints)}
 
 
-def report(backend: str, host: str) -> dict[str, Any]:
-    """Everything doctor checks, as one dict."""
+def report(backend: str, host: str, progress: bool = False) -> dict[str, Any]:
+    """Everything doctor checks, as one dict (`progress`: say on stderr what is being checked)."""
     backends = {}
     for name in BACKENDS:
+        if progress:  # each probe starts a process and a transport: seconds, a minute at worst
+            print(f"  checking {name} (a real round trip in a child process) ...", file=sys.stderr, flush=True)
         # One retry: on a loaded host a first round trip can miss its deadline; two misses are a finding.
         result = _probe_in_child(name)
         if not result.get("ok"):
@@ -115,22 +121,24 @@ def report(backend: str, host: str) -> dict[str, Any]:
             result["hint"] = _HINTS[name]
         backends[name] = result
     rdma = _rdma_devices()
+    side_channel = _side_channel(host)
     return {
         "backend": backend,
         "backend_ok": bool(backends[backend].get("ok")),
+        "ok": bool(backends[backend].get("ok")) and side_channel["bindable"],
         "backends": backends,
         "ucx": {"UCX_TLS": os.environ.get("UCX_TLS", "(UCX default: all available)"),
                 "UCX_MODULES": os.environ.get("UCX_MODULES", "(kvconnect sets ^ib when no RDMA device)")},
         "rdma_devices": rdma,
         "rdma_hint": "" if rdma else "no RDMA device: transfers use TCP or shared memory (fine on one host)",
         "cuda": _cuda(),
-        "side_channel": _side_channel(host),
+        "side_channel": side_channel,
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; exit status 1 when the chosen backend cannot move bytes here."""
-    r = report(args.backend, args.host)
+    """Print the report; exit status 1 when the chosen backend cannot move bytes here or `--host` is not bindable."""
+    r = report(args.backend, args.host, progress=not args.json)
     if args.json:
         print(json.dumps(r))
     else:
@@ -146,11 +154,13 @@ def run(args: argparse.Namespace) -> int:
         if r["rdma_hint"]:
             print(f"      hint: {r['rdma_hint']}")
         print(f"  UCX_TLS           {r['ucx']['UCX_TLS']}")
+        print(f"  UCX_MODULES       {r['ucx']['UCX_MODULES']}")
         cuda = r["cuda"]
         print(f"  CUDA              {'%d device(s)' % cuda['devices'] if cuda.get('available') else 'not available'}")
         sc = r["side_channel"]
-        print(f"  side channel      bind {sc['host']}, secret {'set' if sc['secret_set'] else 'not set'}")
+        print(f"  side channel      bind {sc['host']} ({'bindable here' if sc['bindable'] else 'NOT an address of this host'})"
+              f", secret {'set' if sc['secret_set'] else 'not set'}")
         if sc["hint"]:
             print(f"      hint: {sc['hint']}")
         print(f"  configured backend {r['backend']}: {'works' if r['backend_ok'] else 'DOES NOT WORK'}")
-    return 0 if r["backend_ok"] else 1
+    return 0 if r["ok"] else 1

@@ -14,7 +14,7 @@ MAX_FUNCTION_LINES = 60
 
 # Bottom first. A module may import kvconnect modules of its own layer or of the layers below it.
 LAYERS = [
-    {"errors", "metrics", "threads", "__init__"},
+    {"errors", "metrics", "threads", "progress", "__init__"},
     {"layout"},
     {"wire"},
     {"regions"},
@@ -22,7 +22,7 @@ LAYERS = [
     {"transport"},
     {"pd", "offload"},
     {"connector"},
-    {"faults", "presets"},
+    {"faults", "presets", "cliargs"},
     {"workload", "bench", "demo", "doctor", "proxy"},
     {"cli", "integrations", "handshake"},
 ]

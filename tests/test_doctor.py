@@ -29,9 +29,12 @@ def test_doctor_reports_a_backend_made_unavailable_and_exits_non_zero_for_it(tmp
     assert code == 0 and report["backend_ok"] is True, report["backends"]["nixl"]
 
 
-def test_doctor_warns_about_an_unauthenticated_side_channel_off_loopback() -> None:
+def test_doctor_fails_a_side_channel_address_this_host_does_not_have() -> None:
     env = {"KVCONNECT_SECRET": ""}
-    code, report = _doctor("--host", "10.1.2.3", env=env)
+    code, report = _doctor("--host", "192.0.2.77", env=env)  # TEST-NET-1: never assigned to a real host
     sc = report["side_channel"]
-    assert sc["secret_set"] is False and not sc["loopback"] and "KVCONNECT_SECRET" in sc["hint"]
+    assert code == 1 and report["backend_ok"] is True and sc["bindable"] is False
+    assert "not an address of this host" in sc["hint"] and "KVCONNECT_SECRET" in sc["hint"]
+    assert sc["secret_set"] is False and not sc["loopback"]
     assert report["cuda"]["available"] in (True, False)
+    assert "UCX_MODULES" in report["ucx"]

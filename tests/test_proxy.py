@@ -74,10 +74,14 @@ class FakeInstance:
         self.in_flight = 0
         self.disconnected = 0
         routes = [Route("/health", self.health, methods=["GET"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/completions", self.generate, methods=["POST"]),
                   Route("/v1/chat/completions", self.generate, methods=["POST"])]
         self.served = Served(Starlette(routes=routes))
         self.url = self.served.url
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": f"model-of-{self.name}", "object": "model"}]})
 
     async def health(self, request: Request):
         return JSONResponse({}, status_code=200 if self.healthy else 503)
@@ -524,4 +528,33 @@ def test_proxy_command_serves_and_refuses_a_wildcard_bind(fakes):
         assert post(base).json()["served_by"] == "d0"
     finally:
         proc.terminate()
-        proc.wait(30)
+        out = proc.communicate(timeout=30)[0]
+    # At the default log level: where it listens and what it routes to.
+    assert f"listening on http://127.0.0.1:{port}" in out and f"decode instances {d.url}" in out, out
+
+
+def test_models_come_from_a_live_decode_instance(fakes, router):
+    p, d = fakes("p0"), fakes("d0")
+    r = router([p], [d])
+    got = httpx.get(r.url + "/v1/models", timeout=10)
+    assert got.status_code == 200 and got.json()["data"][0]["id"] == "model-of-d0"
+
+
+def test_models_without_a_reachable_decode_is_a_503(fakes, router):
+    p = fakes("p0")
+    r = router([p], [dead_url()])
+    got = httpx.get(r.url + "/v1/models", timeout=10)
+    assert got.status_code == 503 and "GET /v1/models" in got.json()["error"]["message"]
+
+
+def test_the_router_logs_state_changes_and_failed_requests(fakes, router, caplog):
+    caplog.set_level("INFO", logger="kvconnect.proxy")
+    p, d = fakes("p0", "error500"), fakes("d0")
+    r = router([p], [d], health_interval_s=0.1)
+    assert post(r.url).status_code == 502
+    d.healthy = False
+    wait_until(lambda: any("decode instance" in m and "is down" in m for m in caplog.messages), what="down logged")
+    d.healthy = True
+    wait_until(lambda: any("is up again" in m for m in caplog.messages), what="up logged")
+    text = "\n".join(caplog.messages)
+    assert f"prefill instances {p.url}" in text and "failed with 502" in text and p.url in text

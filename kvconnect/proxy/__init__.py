@@ -2,5 +2,5 @@
 
 `pool` decides which instance serves (least outstanding requests among the live ones); `app` moves
 the HTTP (prefill with `do_remote_decode`, decode with the returned transfer params, streaming passed
-through); `command` is the command line. Needs the `proxy` extra (httpx, starlette, uvicorn).
+through); `metrics` its Prometheus series; `command` is the command line. Needs the `proxy` extra (httpx, starlette, uvicorn).
 """

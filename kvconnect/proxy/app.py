@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,15 +17,19 @@ from typing import Any, AsyncIterator
 
 import httpx
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvconnect.proxy.metrics import RouterMetrics
 from kvconnect.proxy.pool import Instance, NoInstanceError, Pool
 
+log = logging.getLogger("kvconnect.proxy")
+
 COMPLETIONS = "/v1/completions"
+MODELS = "/v1/models"
 CHAT = "/v1/chat/completions"
 # Headers passed on to both instances: the client's credentials for vLLM's --api-key, and a request id
 # so that the prefill and decode halves of one request can be found in both logs.
@@ -61,32 +66,6 @@ class ProxyError(Exception):
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
         return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-
-
-class _Metrics:
-    """The router's own Prometheus registry, so that /metrics shows exactly the router's series."""
-
-    def __init__(self, pools: list[Pool]):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvconnect_proxy_requests", "Client requests by route and HTTP status",
-                                ["route", "code"], registry=r)
-        self.seconds = Histogram("kvconnect_proxy_request_seconds", "Client request time, to the last byte",
-                                 ["route"], registry=r,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
-        self.prefill_seconds = Histogram("kvconnect_proxy_prefill_seconds",
-                                         "Prefill step time, until transfer params are back", registry=r,
-                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.failures = Counter("kvconnect_proxy_upstream_failures", "Failed calls to instances",
-                                ["role", "instance", "reason"], registry=r)
-        outstanding = Gauge("kvconnect_proxy_outstanding", "Requests in flight per instance",
-                            ["role", "instance"], registry=r)
-        up = Gauge("kvconnect_proxy_instance_up", "1 when the instance's last probe or call succeeded",
-                   ["role", "instance"], registry=r)
-        for pool in pools:
-            for inst in pool.instances:
-                outstanding.labels(pool.role, inst.url).set_function(lambda i=inst: i.outstanding)
-                up.labels(pool.role, inst.url).set_function(lambda i=inst: float(i.up))
 
 
 def _prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
@@ -126,7 +105,7 @@ class Router:
         self.config = config
         self.prefill = Pool("prefill", config.prefill)
         self.decode = Pool("decode", config.decode)
-        self.metrics = _Metrics([self.prefill, self.decode])
+        self.metrics = RouterMetrics([self.prefill, self.decode])
         self.client: httpx.AsyncClient | None = None
         self.probed = False
         self._probe_task: asyncio.Task | None = None
@@ -138,7 +117,14 @@ class Router:
         """Open the client, probe once before serving, keep probing in the background."""
         limits = httpx.Limits(max_connections=self.config.max_connections, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(limits=limits, timeout=self._timeout(self.config.request_timeout_s))
+        for pool in (self.prefill, self.decode):
+            log.info("kvconnect proxy: %s instances %s", pool.role, ", ".join(i.url for i in pool.instances))
         await self.probe_all()
+        for pool in (self.prefill, self.decode):
+            for inst in pool.instances:
+                if not inst.up:
+                    log.warning("kvconnect proxy: %s instance %s is down at start: %s", pool.role, inst.url,
+                                inst.last_error)
         self._probe_task = asyncio.create_task(self._probe_loop())
         try:
             yield
@@ -169,7 +155,14 @@ class Router:
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
-        pool.mark(inst, ok, why)
+        self._mark(pool, inst, ok, why)
+
+    def _mark(self, pool: Pool, inst: Instance, up: bool, why: str = "") -> None:
+        if pool.mark(inst, up, why) and self.probed:
+            if up:
+                log.warning("kvconnect proxy: %s instance %s is up again", pool.role, inst.url)
+            else:
+                log.warning("kvconnect proxy: %s instance %s is down: %s", pool.role, inst.url, why)
 
     # ---- routes ----
 
@@ -186,6 +179,30 @@ class Router:
         """Prometheus exposition of the router's own series."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the first live decode instance's list (the model clients address)."""
+        started = time.monotonic()
+        try:
+            for inst in [i for i in self.decode.instances if i.up] or self.decode.instances:
+                try:
+                    resp = await self.client.get(inst.url + MODELS, timeout=self._timeout(self.config.connect_timeout_s),
+                                                 headers={k: v for k in FORWARDED_HEADERS
+                                                          if (v := request.headers.get(k))})
+                except httpx.HTTPError as exc:
+                    log.warning("kvconnect proxy: GET %s on decode instance %s failed: %s: %s", MODELS, inst.url,
+                                type(exc).__name__, exc)
+                    continue
+                out = Response(resp.content, status_code=resp.status_code if resp.status_code < 500 else 502,
+                               media_type=resp.headers.get("content-type", "application/json"))
+                break
+            else:
+                raise ProxyError(503, "no decode instance answered GET /v1/models", "service_unavailable")
+        except ProxyError as exc:
+            out = JSONResponse(exc.body(), status_code=exc.status)
+        self.metrics.requests.labels(MODELS, str(out.status_code)).inc()
+        self.metrics.seconds.labels(MODELS).observe(time.monotonic() - started)
+        return out
+
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         return await self._serve(request, COMPLETIONS)
@@ -197,10 +214,10 @@ class Router:
     async def _serve(self, request: Request, route: str) -> Response:
         started = time.monotonic()
         deadline = started + self.config.request_timeout_s
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers.setdefault("x-request-id", uuid.uuid4().hex)
         try:
             body = _check_request(await self._read_json(request))
-            headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k))}
-            headers.setdefault("x-request-id", uuid.uuid4().hex)
             if not self.decode.any_up:  # fail before prefill holds blocks no decode will pull
                 raise ProxyError(503, f"no live decode instance: "
                                       f"{', '.join(f'{i.url} ({i.last_error})' for i in self.decode.instances)}",
@@ -219,6 +236,8 @@ class Router:
                 self.decode.release(inst, ok=ok)
             out = self._upstream_reply(self.decode, inst, resp, content)
         except ProxyError as exc:
+            log.warning("kvconnect proxy: request %s to %s failed with %d: %s", headers["x-request-id"], route,
+                        exc.status, exc.message)
             out = JSONResponse(exc.body(), status_code=exc.status)
         self.metrics.requests.labels(route, str(out.status_code)).inc()
         self.metrics.seconds.labels(route).observe(time.monotonic() - started)
@@ -294,7 +313,7 @@ class Router:
                 return inst, await self.client.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 pool.release(inst, ok=False)
-                pool.mark(inst, False, f"{type(exc).__name__}: {exc}")
+                self._mark(pool, inst, False, f"{type(exc).__name__}: {exc}")
                 self.metrics.failures.labels(pool.role, inst.url, "connect").inc()
                 tried.add(inst.url)
                 if len(tried) == len(pool.instances):
@@ -351,6 +370,8 @@ class Router:
             state["done"] = True
             await resp.aclose()
             self.decode.release(inst, ok=state["ok"])
+            if not state["ok"]:
+                log.warning("kvconnect proxy: stream from decode instance %s to %s ended early", inst.url, route)
             self.metrics.requests.labels(route, "200" if state["ok"] else "stream_error").inc()
             self.metrics.seconds.labels(route).observe(time.monotonic() - started)
 
@@ -404,6 +425,7 @@ def create_app(config: ProxyConfig) -> Starlette:
     app = Starlette(routes=[
         Route(COMPLETIONS, router.completions, methods=["POST"]),
         Route(CHAT, router.chat, methods=["POST"]),
+        Route(MODELS, router.models, methods=["GET"]),
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics_route, methods=["GET"]),
     ], lifespan=router.lifespan)

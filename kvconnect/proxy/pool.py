@@ -79,10 +79,12 @@ class Pool:
         if ok:
             inst.served += 1
 
-    def mark(self, inst: Instance, up: bool, error: str = "") -> None:
-        """Record a probe's or a request's verdict on an instance."""
+    def mark(self, inst: Instance, up: bool, error: str = "") -> bool:
+        """Record a probe's or a request's verdict on an instance; True if it changed the instance's state."""
+        changed = inst.up != up
         inst.up = up
         inst.last_error = "" if up else error
+        return changed
 
     @property
     def any_up(self) -> bool:

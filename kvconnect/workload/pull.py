@@ -8,13 +8,14 @@ between the two only plays the router's part (it carries transfer params, as an 
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from kvconnect.progress import bar
 
 PIPE_TIMEOUT_S = 120.0
 
@@ -299,13 +300,7 @@ def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) ->
         parent.send(("raw-done", None))
 
 
-def progress_bar(done: int, total: int) -> None:
-    """A one-line progress bar on stderr."""
-    width = 30
-    filled = width * done // max(total, 1)
-    end = "\n" if done >= total else ""
-    print(f"\r  pulling [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr,
-          flush=True)
+progress_bar = bar("pulling")
 
 
 def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
