@@ -10,37 +10,30 @@ import argparse
 import math
 
 
+def _number(text: str, convert, expected: str, ok, bound: str):
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{bound}, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _number(text, int, "a positive integer", lambda v: v >= 1, "must be at least 1")
 
 
 def positive_float(text: str) -> float:
     """A finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return _number(text, float, "a positive number", lambda v: math.isfinite(v) and v > 0,
+                   "must be a positive number")
 
 
 def port(text: str) -> int:
     """A TCP port, 1 to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {value}")
-    return value
+    return _number(text, int, "a port number", lambda v: 1 <= v <= 65535, "must be in 1..65535")
 
 
 def positive_ints(text: str) -> list[int]:
@@ -49,6 +42,18 @@ def positive_ints(text: str) -> list[int]:
     if not any(parts):
         raise argparse.ArgumentTypeError("expected comma-separated positive integers, got nothing")
     return [positive_int(p) for p in parts if p]
+
+
+def add_pull_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a measured P/D pull, shared by `kvconnect demo` and `kvconnect bench transfer`."""
+    parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
+    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="KV-cache shape")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per request")
+    parser.add_argument("--requests", type=positive_int, default=8)
+    parser.add_argument("--concurrency", type=positive_int, default=2, help="requests in flight at once")
+    parser.add_argument("--block-table", default="random", choices=["random", "contiguous"],
+                        help="how block ids are laid out on each side")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def preset_names() -> list[str]:

@@ -9,20 +9,13 @@ import sys
 import time
 from typing import Any
 
-from kvconnect.cliargs import positive_int, preset_names
+from kvconnect.cliargs import add_pull_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect demo`."""
-    parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="KV-cache shape")
-    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per request")
-    parser.add_argument("--requests", type=positive_int, default=8)
-    parser.add_argument("--concurrency", type=positive_int, default=2, help="requests in flight at once")
-    parser.add_argument("--block-table", default="random", choices=["random", "contiguous"],
-                        help="how block ids are laid out on each side")
+    add_pull_options(parser)
     parser.add_argument("--no-raw", action="store_true", help="skip the raw-backend baseline")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from kvconnect.connector import ConnectorConfig, Finished, KVConnector
 from kvconnect.layout import KVCacheLayout
@@ -320,3 +321,17 @@ def assert_pulled(conn, local_caches, before, producer, pulls) -> None:
 def snapshot(caches, conn) -> list[torch.Tensor]:
     """A copy of every region's bytes, to compare against later."""
     return [rows.clone() for rows in byte_rows(caches, conn)]
+
+
+# Any value msgpack can carry (what a hostile peer may send in place of a field), for fuzzing decoders
+# and listeners.
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.binary(max_size=24),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=16,
+)

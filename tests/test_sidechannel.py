@@ -20,6 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import msgpack_values
 from kvconnect import HandshakeError, wire
 from kvconnect.sidechannel import SECRET_ENV, SideChannelServer, call, fetch_metadata, metadata_handler, resolve_secret
 from kvconnect.sidechannel.auth import ReplayCache, new_nonce, request_mac
@@ -351,16 +352,6 @@ def test_request_from_another_protocol_version_gets_a_version_rejection(
 # --------------------------------------------------------------------------------------------------
 # Fuzzing the listener
 
-_msgpack_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
-    | st.floats()
-    | st.text(max_size=12)
-    | st.binary(max_size=24),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=10,
-)
 _valid_request = signed_request(None)[0]
 
 
@@ -374,13 +365,13 @@ def _mutated_request(draw: st.DrawFn) -> bytes:
 
 
 _envelope_like = st.fixed_dictionaries(
-    {"protocol_version": st.one_of(st.just(wire.PROTOCOL_VERSION), _msgpack_values)},
+    {"protocol_version": st.one_of(st.just(wire.PROTOCOL_VERSION), msgpack_values)},
     optional={
-        "body": st.one_of(_msgpack_values.map(msgspec.msgpack.encode), st.binary(max_size=40), _msgpack_values),
-        "nonce": st.one_of(st.binary(max_size=80), _msgpack_values),
-        "timestamp": st.one_of(st.floats(), _msgpack_values),
-        "mac": st.one_of(st.binary(max_size=80), _msgpack_values),
-        "rank": _msgpack_values,
+        "body": st.one_of(msgpack_values.map(msgspec.msgpack.encode), st.binary(max_size=40), msgpack_values),
+        "nonce": st.one_of(st.binary(max_size=80), msgpack_values),
+        "timestamp": st.one_of(st.floats(), msgpack_values),
+        "mac": st.one_of(st.binary(max_size=80), msgpack_values),
+        "rank": msgpack_values,
     },
 ).map(msgspec.msgpack.encode)
 
@@ -395,7 +386,7 @@ _VALID_BODIES = [
     )
 ]
 _field_values = st.one_of(
-    _msgpack_values,
+    msgpack_values,
     st.integers(min_value=-5, max_value=70_000),
     st.text(max_size=300),
     st.lists(st.text(max_size=200), max_size=300),
@@ -418,7 +409,7 @@ def _near_valid_body(draw: st.DrawFn) -> bytes:
 
 _payloads = st.one_of(
     st.binary(max_size=128),
-    _msgpack_values.map(msgspec.msgpack.encode),
+    msgpack_values.map(msgspec.msgpack.encode),
     _envelope_like,
     _mutated_request(),
     st.integers(wire.MAX_REQUEST_BYTES - 2, 3 * wire.MAX_REQUEST_BYTES).map(lambda n: b"\x82" * n),
@@ -479,7 +470,7 @@ def test_fuzzed_requests_never_pass_authentication(auth_server: SideChannelServe
 
 
 def test_fuzzed_bodies_behind_a_valid_mac_never_stop_the_listener(zctx: zmq.Context) -> None:
-    bodies = st.one_of(st.binary(max_size=64), _msgpack_values.map(msgspec.msgpack.encode), *[_near_valid_body()] * 4)
+    bodies = st.one_of(st.binary(max_size=64), msgpack_values.map(msgspec.msgpack.encode), *[_near_valid_body()] * 4)
     with serve(secret=SECRET, control=Recorder()) as srv:
         sent = _fuzz(srv, zctx, bodies.map(lambda body: [signed_request(SECRET, body=body)[0]]), 800)
         assert wait_for(lambda: srv.stats["received"] >= sent)

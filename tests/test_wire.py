@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import msgpack_values
 import kvconnect
 from kvconnect import wire
 from kvconnect.sidechannel.auth import MAC_BYTES, new_nonce, reply_mac, request_mac
@@ -463,16 +464,6 @@ def test_regions_from_wire_refuses_overlapping_regions() -> None:
 # --------------------------------------------------------------------------------------------------
 # Fuzzing the decoders
 
-_msgpack_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
-    | st.floats()
-    | st.text(max_size=16)
-    | st.binary(max_size=16),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
-    max_leaves=16,
-)
 
 _DECODERS = [
     wire.REQUEST_ENVELOPE.decode,
@@ -493,7 +484,7 @@ class _Explodes:
 @given(
     data=st.one_of(
         st.binary(max_size=512),
-        _msgpack_values.map(msgspec.msgpack.encode),
+        msgpack_values.map(msgspec.msgpack.encode),
         st.just(pickle.dumps(_Explodes())),
     )
 )
@@ -506,7 +497,7 @@ def test_decoders_raise_only_wire_error_on_arbitrary_input(data: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(fields=st.dictionaries(st.sampled_from(sorted(as_dict(params()))), _msgpack_values, max_size=10))
+@given(fields=st.dictionaries(st.sampled_from(sorted(as_dict(params()))), msgpack_values, max_size=10))
 def test_transfer_params_validation_raises_only_wire_error(fields: dict) -> None:
     try:
         wire.transfer_params_from_builtins(fields)

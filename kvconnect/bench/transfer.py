@@ -8,21 +8,15 @@ import os
 import sys
 from typing import Any
 
-from kvconnect.cliargs import positive_int, positive_ints, preset_names
+from kvconnect.cliargs import add_pull_options, positive_int, positive_ints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `kvconnect bench transfer`."""
-    parser.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--preset", default="llama3-8b", choices=preset_names(), help="KV-cache shape")
-    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per request")
-    parser.add_argument("--requests", type=positive_int, default=8)
-    parser.add_argument("--concurrency", type=positive_int, default=2, help="requests in flight at once")
+    add_pull_options(parser)
     parser.add_argument("--block-size", type=positive_int, default=None, help="tokens per block (default: the preset's)")
-    parser.add_argument("--block-table", default="random", choices=["random", "contiguous"])
     parser.add_argument("--layout", default="LBHNC", choices=["LBHNC", "BLHNC"],
                         help="attention pages layers outermost, or blocks outermost (one descriptor per block)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --plot)")
     parser.add_argument("--plot", metavar="FILE.png", help="sweep request sizes and draw GB/s for the three "
                         "(needs the `plot` extra: matplotlib)")

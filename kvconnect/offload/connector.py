@@ -158,12 +158,8 @@ class OffloadConnector:
         no room is dropped (`stats().dropped`). Stored blocks become visible to `lookup` only when the
         job succeeded; a failed job publishes none of them.
         """
-        regions, manager, mover, runner = self._ready()
-        sel, nbytes = self._group(group)
-        keys = check_keys(keys)
-        ids = regions.validate(block_ids, sel)
-        if ids.size != len(keys):
-            raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
+        _, manager, mover, runner = self._ready()
+        sel, nbytes, keys, ids = self._checked(keys, block_ids, group)
         after = mover.engine_event()
         plan = manager.prepare_store(keys)
         src = ids[plan.positions]
@@ -194,12 +190,8 @@ class OffloadConnector:
         return self._load(keys, block_ids, group, prefix=True)
 
     def _load(self, keys: Sequence[Hashable], block_ids: BlockIds, group: int, prefix: bool) -> OffloadJob:
-        regions, manager, mover, runner = self._ready()
-        sel, nbytes = self._group(group)
-        keys = check_keys(keys)
-        ids = regions.validate(block_ids, sel)
-        if ids.size != len(keys):
-            raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
+        _, manager, mover, runner = self._ready()
+        sel, nbytes, keys, ids = self._checked(keys, block_ids, group)
         if np.unique(ids).size != ids.size:
             values, counts = np.unique(ids, return_counts=True)
             raise BlockRangeError(f"block id {int(values[np.argmax(counts > 1)])} appears twice in one load")
@@ -210,6 +202,16 @@ class OffloadConnector:
                          lambda: mover.load(plan.slots, ids, after, self.timeout_s, regions=sel),
                          lambda err: manager.complete_load(plan, err is None, nbytes))
         return self._submit(runner, job, empty=len(plan) == 0)
+
+    def _checked(self, keys: Sequence[Hashable], block_ids: BlockIds,
+                 group: int) -> tuple[np.ndarray, int, list[Hashable], np.ndarray]:
+        """(group's regions, its bytes per block, keys, block ids), checked against each other and the regions."""
+        sel, nbytes = self._group(group)
+        keys = check_keys(keys)
+        ids = self._regions.validate(block_ids, sel)
+        if ids.size != len(keys):
+            raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
+        return sel, nbytes, keys, ids
 
     def _submit(self, runner: JobRunner, job: OffloadJob, empty: bool) -> OffloadJob:
         if empty:

@@ -127,14 +127,21 @@ class BlockMover:
     def store(self, block_ids: np.ndarray, slots: np.ndarray, after=None, timeout: float = 60.0,
               regions: np.ndarray | None = None) -> None:
         """Copy blocks `block_ids` of the selected regions (default all) into pool `slots`; returns when in the pool."""
+        self._move(True, block_ids, slots, after, timeout, regions)
+
+    def _move(self, to_pool: bool, block_ids: np.ndarray, slots: np.ndarray, after, timeout: float,
+              regions: np.ndarray | None) -> None:
         if block_ids.size == 0:
             return
         parts = self._parts(regions)
-        if self.is_cuda:
-            self._check_usable()
+        if not self.is_cuda:
+            self._host_copy(parts, block_ids, slots, to_pool)
+            return
+        self._check_usable()
+        if to_pool:
             self._store_cuda(parts, block_ids, slots, after, timeout)
         else:
-            self._host_copy(parts, block_ids, slots, to_pool=True)
+            self._load_cuda(parts, slots, block_ids, after, timeout)
 
     def _host_copy(self, parts: list, block_ids: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
         """Host copies between cache rows and pool slots: one call per run of slots, or per staging chunk."""
@@ -208,14 +215,7 @@ class BlockMover:
     def load(self, slots: np.ndarray, block_ids: np.ndarray, after=None, timeout: float = 60.0,
              regions: np.ndarray | None = None) -> None:
         """Copy pool `slots` into blocks `block_ids` of the selected regions (default all); returns when in the cache."""
-        if block_ids.size == 0:
-            return
-        parts = self._parts(regions)
-        if self.is_cuda:
-            self._check_usable()
-            self._load_cuda(parts, slots, block_ids, after, timeout)
-        else:
-            self._host_copy(parts, block_ids, slots, to_pool=False)
+        self._move(False, block_ids, slots, after, timeout, regions)
 
     def _load_cuda(self, parts: list, slots: np.ndarray, block_ids: np.ndarray, after, timeout: float) -> None:
         pos, first, count = slot_runs(slots)
