@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from kvconnect.cliargs import positive_int
+from kvconnect.progress import bar
 
 PIPE_TIMEOUT_S = 120.0
 
@@ -112,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[float]] = {"alone": [], "beside_stopped": []}
     try:
         _round(consumer, healthy, None, args, "warm-up")
+        progress = None if args.json else bar("rounds")
         for r in range(args.rounds):
+            if progress:
+                progress(r, args.rounds)
             results["alone"] += _round(consumer, healthy, None, args, f"alone{r}")
             held = _hold(stuck, f"stuck{r}", [r % 4])  # held before the producer stops: it cannot answer after
             os.kill(stuck_pid, signal.SIGSTOP)
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 os.kill(stuck_pid, signal.SIGCONT)
             _drain(consumer)
+        if progress:
+            progress(args.rounds, args.rounds)
     finally:
         consumer.close()
         for pipe, proc in ((healthy, healthy_proc), (stuck, stuck_proc)):
