@@ -30,6 +30,8 @@ leases_released = Counter("kvconnect_leases_released", "Producer leases ended, b
 offload_hits = Counter("kvconnect_offload_hits", "Blocks found in the CPU tier by lookups")
 offload_misses = Counter("kvconnect_offload_misses", "Blocks not found in the CPU tier by lookups")
 offload_evictions = Counter("kvconnect_offload_evictions", "Blocks evicted from the CPU tier")
+tier_pages = Counter("kvconnect_offload_tier_pages", "Pages through the lower offload tiers, by tier and event "
+                     "(stored, store_failed, loaded, missed, rejected)", ["tier", "event"])
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:

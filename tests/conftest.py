@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvconnect.connector import ConnectorConfig, Finished, KVConnector
 from kvconnect.layout import KVCacheLayout
+from kvconnect.offload.tiers.local_store import LocalStore, free_port  # noqa: F401 - shared with the tests
 from kvconnect.transport import make_transport
 from pd_peer import (Answer, Channel, Command, Hello, Ready, Setup, Topology, decode_value, join_address,
                      make_caches)
@@ -335,3 +336,13 @@ msgpack_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=16,
 )
+
+
+@pytest.fixture
+def mooncake_store(tmp_path):
+    """A running Mooncake Store (master and storage node), killed at the end of the test."""
+    cluster = LocalStore(tmp_path)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

@@ -332,3 +332,32 @@ def test_every_engine_starts_with_the_server_command_the_cpu_wheel_runs(tmp_path
     config = rendered(tmp_path, *files)
     for name in ENGINES:
         assert config["services"][name]["command"][:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+# ---- compose: the cluster-wide tier ----
+
+KVSTORE = DOCKER / "compose.kvstore.yaml"
+
+
+def test_kvstore_compose_shares_one_store_and_publishes_only_the_instances_on_loopback(tmp_path: Path):
+    config = rendered(tmp_path, KVSTORE, secret=None)
+    services = config["services"]
+    assert set(services) == {"kvstore", "kvstore-node", "instance-a", "instance-b"}
+    ports = published_ports(config)
+    assert {n for n, p in ports.items() if p} == {"instance-a", "instance-b"}
+    assert all(p["host_ip"] == "127.0.0.1" for n in ("instance-a", "instance-b") for p in ports[n])
+    master = services["kvstore"]["command"]
+    assert master[0] == "mooncake_master" and "--rpc_port=50051" in master
+    node = services["kvstore-node"]["command"]
+    assert "--master_server_address=kvstore:50051" in node and "--host=kvstore-node" in node
+    for name in ("instance-a", "instance-b"):
+        kv = kv_transfer_config(services[name])
+        assert kv["kv_connector"] == "KVConnectOffload" and kv["kv_load_failure_policy"] == "recompute"
+        extra = kv["kv_connector_extra_config"]
+        assert set(extra) <= adapter_keys("OffloadConfig")
+        (tier,) = extra["tiers"]
+        # The node connects back to each instance by the name it gives: its own service name.
+        assert tier == {"kind": "store", "master": "kvstore:50051", "local_host": name}
+        assert "--enable-prefix-caching" in services[name]["command"]
+        assert {k: v["condition"] for k, v in services[name]["depends_on"].items()} == \
+            {"kvstore": "service_healthy", "kvstore-node": "service_started"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -13,11 +12,8 @@ from kvconnect import metrics
 from kvconnect.connector import ConnectorConfig, KVConnector
 from kvconnect.offload import OffloadConnector
 
+from conftest import free_port
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(conn: KVConnector, rid: str, timeout: float = 30.0):
@@ -65,7 +61,7 @@ def test_a_pull_a_failure_and_a_lease_show_in_the_metrics() -> None:
         assert metrics.value("kvconnect_leases_released_total", {"reason": "done"}) == done + 1
 
         failed = metrics.value("kvconnect_failures_total", {"stage": "handshake"})
-        bad = {"engine_id": "nobody", "host": "127.0.0.1", "port": _free_port(), "request_id": "m-2",
+        bad = {"engine_id": "nobody", "host": "127.0.0.1", "port": free_port(), "request_id": "m-2",
                "block_ids": [[1]], "num_tokens": 16, "lease_expiry": time.time() + 30, "incarnation": "x"}
         decode.start_load(bad, [[7]])
         assert "m-2" in _wait(decode, "m-2").failed
@@ -94,7 +90,7 @@ def test_evictions_and_hits_in_the_cpu_tier_show_in_the_metrics() -> None:
 
 
 def test_metrics_can_be_served_over_http_for_standalone_workers() -> None:
-    port = _free_port()
+    port = free_port()
     metrics.serve(port)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvconnect_leases_held" in body and "kvconnect_failures_total" in body

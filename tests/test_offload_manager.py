@@ -99,6 +99,32 @@ def test_repeated_keys_in_one_store_take_one_slot() -> None:
     assert plan.keys == ("a", "b") and list(plan.positions) == [0, 1]
 
 
+def test_a_promotion_takes_only_the_leading_run_that_finds_room() -> None:
+    m = OffloadManager(4)
+    _stored(m, ["x"])
+    m.pin(["x"])  # a write-down in progress: not evictable
+    plan = m.prepare_store(["a", "b", "x", "c"], leading=True)
+    assert plan.keys == ("a", "b")  # stops at a key already held
+    m.complete_store(plan, ok=True, promoted=True)
+    m.pin(["a", "b"])
+    full = m.prepare_store(["d", "e", "f"], leading=True)
+    assert full.keys == ("d",) and full.dropped == 0  # stops where room ran out; nothing counted as dropped
+    s = m.stats()
+    assert (s.promoted, s.stores) == (2, 1)
+
+
+def test_a_store_published_pinned_stays_until_unpinned() -> None:
+    m = OffloadManager(2)
+    plan = m.prepare_store(["a", "b"])
+    m.complete_store(plan, ok=True, pin=True)
+    assert m.pinned() == 2 and m.published(["a", "b", "zz"]).tolist() == [True, True, False]
+    assert len(m.prepare_store(["c"])) == 0  # every slot pinned: nothing to evict
+    m.unpin(["a", "b"])
+    assert m.prepare_store(["c"]).keys == ("c",)
+    with pytest.raises(KVConnectError, match="only published"):
+        m.pin(["c"])  # in flight, not published
+
+
 def test_manager_refuses_bad_sizes() -> None:
     with pytest.raises(KVConnectError, match="positive"):
         OffloadManager(0)

@@ -20,7 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import msgpack_values
+from conftest import free_port, msgpack_values
 from kvconnect import HandshakeError, wire
 from kvconnect.sidechannel import SECRET_ENV, SideChannelServer, call, fetch_metadata, metadata_handler, resolve_secret
 from kvconnect.sidechannel.auth import ReplayCache, new_nonce, request_mac
@@ -146,11 +146,6 @@ def signed_request(
 def reply_body(data: bytes) -> wire.HandshakeReply | wire.HandshakeRejection:
     return wire.REPLY.decode(wire.REPLY_ENVELOPE.decode(data).body)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_serves(srv: SideChannelServer, secret: bytes | None = None) -> None:

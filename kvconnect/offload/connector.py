@@ -19,6 +19,11 @@ never taken for an attention group's block of the same tokens), and every call n
 All groups share one slot space: a slot holds one block of the regions of the group that stored it.
 In vLLM's hybrid layout every group spans every region (groups share the tensors), so no slot bytes
 are wasted; groups over disjoint regions leave the other groups' part of a slot unused.
+
+Lower tiers (`tiers=[DiskTier(...), StoreTier(...)]`, see kvconnect.offload.tiers) sit below the
+host pool: every published store is also written down to each of them in the background, `lookup`
+counts blocks any tier holds after the host's own, and a load fetches from them (verified page by
+page) the blocks the host no longer has. A page no tier can vouch for fails the load, never the bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.keys import block_keys, check_keys
 from kvconnect.offload.manager import OffloadManager, OffloadStats
 from kvconnect.offload.mover import BlockMover
+from kvconnect.offload.tiers import PoolView, Tier
+from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.regions import BlockIds, KVGroup, RegionSet, resolve_groups
 
 
@@ -41,7 +48,7 @@ class OffloadConnector:
     """A CPU tier of `cpu_bytes` holding KV blocks by content key, filled and drained asynchronously."""
 
     def __init__(self, cpu_bytes: int, *, policy: str = "lru", block_size: int = 16, workers: int = 1,
-                 timeout_s: float = 60.0, salt: bytes = b""):
+                 timeout_s: float = 60.0, salt: bytes = b"", tiers: Sequence[Tier] = ()):
         try:
             size = -1 if isinstance(cpu_bytes, bool) else operator.index(cpu_bytes)  # ints, numpy ints
         except TypeError:
@@ -55,6 +62,10 @@ class OffloadConnector:
             raise KVConnectError(f"timeout_s must be positive, got {timeout_s}")
         if workers <= 0:
             raise KVConnectError(f"workers must be positive, got {workers}")
+        if not all(isinstance(t, Tier) for t in tiers):
+            raise KVConnectError("tiers must be Tier instances (kvconnect.offload.tiers)")
+        self._tiers = list(tiers)
+        self._chain: TierChain | None = None
         self.cpu_bytes = cpu_bytes
         self.policy = policy
         self.block_size = block_size
@@ -89,6 +100,9 @@ class OffloadConnector:
             )
         manager = OffloadManager(num_slots, self.policy, slot_bytes)
         mover = BlockMover(kv_caches, regions, num_slots)
+        if self._tiers:
+            view = PoolView(tuple(p.view(torch.uint8).numpy() for p in mover.pool))
+            self._chain = TierChain(self._tiers, view)
         self._runner = JobRunner(self._workers)
         self._regions, self._manager, self._mover = regions, manager, mover
         return regions
@@ -146,8 +160,18 @@ class OffloadConnector:
         return block_keys(token_ids, block_size, parent=parent, salt=salt)
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
-        """How many leading blocks of `keys` the tier holds; unknown keys are misses, never errors."""
-        return self._ready()[1].lookup(check_keys(keys))
+        """How many leading blocks of `keys` the host pool, then the lower tiers, hold; unknown keys are misses."""
+        keys = self._tier_keys(check_keys(keys))
+        hits = self._ready()[1].lookup(keys)
+        if self._chain is None or hits == len(keys):
+            return hits
+        below = self._chain.contains(keys[hits:])
+        return hits + (int(np.argmin(below)) if not below.all() else below.size)
+
+    def _tier_keys(self, keys: list[Hashable]) -> list[Hashable]:
+        if self._chain is not None and not all(isinstance(k, bytes) for k in keys):
+            raise KVConnectError("with lower tiers, keys must be bytes (block_keys makes them)")
+        return keys
 
     # ---- moves ----
 
@@ -160,12 +184,21 @@ class OffloadConnector:
         """
         _, manager, mover, runner = self._ready()
         sel, nbytes, keys, ids = self._checked(keys, block_ids, group)
+        self._tier_keys(keys)
         after = mover.engine_event()
         plan = manager.prepare_store(keys)
         src = ids[plan.positions]
+        chain = self._chain
+
+        def finish(err: BaseException | None) -> None:
+            down = chain is not None and err is None and len(plan) > 0
+            manager.complete_store(plan, err is None, nbytes, pin=down)
+            if down:
+                queued = chain.write_behind(plan.keys, plan.slots, manager.unpin)
+                manager.unpin(plan.keys[queued:])
+
         job = OffloadJob("store", plan.keys, src, len(plan) * nbytes,
-                         lambda: mover.store(src, plan.slots, after, self.timeout_s, regions=sel),
-                         lambda err: manager.complete_store(plan, err is None, nbytes))
+                         lambda: mover.store(src, plan.slots, after, self.timeout_s, regions=sel), finish)
         return self._submit(runner, job, empty=len(plan) == 0)
 
     def store_request(self, token_ids: Sequence[int] | np.ndarray, block_ids: BlockIds,
@@ -196,12 +229,63 @@ class OffloadConnector:
             values, counts = np.unique(ids, return_counts=True)
             raise BlockRangeError(f"block id {int(values[np.argmax(counts > 1)])} appears twice in one load")
         after = mover.engine_event()
+        if self._chain is not None:
+            return self._load_through_tiers(keys, ids, sel, nbytes, after, prefix)
         plan = manager.prepare_load_prefix(keys) if prefix else manager.prepare_load(keys)
         ids = ids[: len(plan)]
         job = OffloadJob("load", plan.keys, ids, len(plan) * nbytes,
                          lambda: mover.load(plan.slots, ids, after, self.timeout_s, regions=sel),
                          lambda err: manager.complete_load(plan, err is None, nbytes))
         return self._submit(runner, job, empty=len(plan) == 0)
+
+    def _load_through_tiers(self, keys: list[bytes], ids: np.ndarray, sel: np.ndarray, nbytes: int,
+                            after, prefix: bool) -> OffloadJob:
+        """A load whose blocks the host pool lacks come up from the lower tiers first, in the same job."""
+        _, manager, mover, runner = self._ready()
+        chain = self._chain
+        keys = self._tier_keys(keys)
+        if prefix:
+            # The host's leading hits pinned first (no store can evict them now), then the blocks
+            # after them that a lower tier holds, as far as the pool has room for them.
+            plan = manager.prepare_load_prefix(keys)
+            below = chain.contains(keys[len(plan):])
+            wanted = keys[len(plan): len(plan) + (int(np.argmin(below)) if not below.all() else below.size)]
+            up = manager.prepare_store(wanted, leading=True)
+            slots = np.concatenate([plan.slots, up.slots])
+        else:
+            host = manager.published(keys)
+            at_host, at_below = np.flatnonzero(host), np.flatnonzero(~host)
+            below = chain.contains([keys[i] for i in at_below])
+            if not below.all():
+                pos = int(at_below[np.argmin(below)])
+                raise KVConnectError(f"key at position {pos} is in no offload tier; load only what lookup() reported")
+            plan = manager.prepare_load([keys[i] for i in at_host])
+            up = manager.prepare_store([keys[i] for i in at_below], leading=True)
+            if len(up) < at_below.size:
+                manager.complete_store(up, False, promoted=True)
+                manager.complete_load(plan, False)
+                raise KVConnectError(f"no room in the host pool to bring {at_below.size} blocks up from the lower tiers")
+            slots = np.empty(len(keys), dtype=np.int64)
+            slots[at_host], slots[at_below] = plan.slots, up.slots
+        cut = slots.size
+        ids = ids[:cut]
+        fetched: list[bool] = []
+
+        def work() -> None:
+            if len(up):
+                got = chain.fetch(up.keys, up.slots)
+                fetched.append(bool(got.all()))
+                if not got.all():
+                    raise TransferError(f"{int((~got).sum())} of {len(up)} blocks could not be read from the lower "
+                                        "tiers (missing, or failed their checksums)")
+            mover.load(slots, ids, after, self.timeout_s, regions=sel)
+
+        def finish(err: BaseException | None) -> None:
+            manager.complete_store(up, bool(fetched and fetched[0]), nbytes, promoted=True)
+            manager.complete_load(plan, err is None, nbytes)
+
+        job = OffloadJob("load", tuple(keys[:cut]), ids, cut * nbytes, work, finish)
+        return self._submit(runner, job, empty=cut == 0)
 
     def _checked(self, keys: Sequence[Hashable], block_ids: BlockIds,
                  group: int) -> tuple[np.ndarray, int, list[Hashable], np.ndarray]:
@@ -242,12 +326,25 @@ class OffloadConnector:
         """Hits, misses, stores, loads, evictions and bytes moved so far."""
         return self._ready()[1].stats()
 
+    def tier_stats(self) -> dict[str, int]:
+        """The lower tiers' counters (`tier_<name>_<counter>`), empty without tiers."""
+        self._ready()
+        return {} if self._chain is None else self._chain.stats()
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait until every stored block went down to the lower tiers; False if still copying at `timeout`."""
+        self._ready()
+        return True if self._chain is None else self._chain.flush(self.timeout_s if timeout is None else timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Finish queued jobs and stop the workers (bounded by `timeout`, default `timeout_s`)."""
         if self._closed:
             return
         if self._runner is not None:
+            # Raises while a copy is stuck: the connector stays open, so a later close() can finish.
             self._runner.close(self.timeout_s if timeout is None else timeout)
+        if self._chain is not None:
+            self._chain.close(self.timeout_s if timeout is None else timeout)
         self._closed = True
         self._mover = None  # the host pool goes with it
 

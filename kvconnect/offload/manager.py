@@ -65,6 +65,7 @@ class OffloadStats:
     loads: int = 0
     evictions: int = 0
     dropped: int = 0
+    promoted: int = 0
     failed_stores: int = 0
     failed_loads: int = 0
     bytes_stored: int = 0
@@ -132,8 +133,12 @@ class OffloadManager:
                 self.policy.touch(key)
             self.policy.reorder(used)
 
-    def prepare_store(self, keys: Sequence[Key]) -> StorePlan:
-        """Allocate slots for the keys not yet held, evicting as needed; keys that find no room are dropped."""
+    def prepare_store(self, keys: Sequence[Key], leading: bool = False) -> StorePlan:
+        """Allocate slots for the keys not yet held, evicting as needed; keys that find no room are dropped.
+
+        `leading`: allocate only the leading run of keys not held that all find room (a promotion from
+        a lower tier, which is useful only as a prefix), stopping at the first key held or without room.
+        """
         with self._lock:
             present = {k for k in keys if k in self._entries}
             # This request's own blocks are a use, and must not be evicted to make room for its tail.
@@ -151,6 +156,8 @@ class OffloadManager:
             skipped = dropped = 0
             room = True
             for pos, key in enumerate(keys):
+                if leading and (key in present or not room):
+                    break
                 if key in present:
                     skipped += 1
                     continue
@@ -161,6 +168,8 @@ class OffloadManager:
                 if victims is None:
                     # Full of blocks in flight or of this request: keep the prefix that fits.
                     room = False
+                    if leading:
+                        break
                     dropped += 1
                     continue
                 for victim in victims:
@@ -178,22 +187,29 @@ class OffloadManager:
             return StorePlan(tuple(new_keys), np.asarray(positions, dtype=np.int64),
                              np.asarray(slots, dtype=np.int64), skipped, dropped)
 
-    def complete_store(self, plan: StorePlan, ok: bool, slot_bytes: int | None = None) -> None:
+    def complete_store(self, plan: StorePlan, ok: bool, slot_bytes: int | None = None, *,
+                       pin: bool = False, promoted: bool = False) -> None:
         """Publish the plan's keys, or on failure publish none of them and free their slots.
 
         `slot_bytes`: bytes each block moved (a group's part of a slot), default the whole slot.
+        `pin`: publish them pinned (a copy to a lower tier follows; `unpin` when it is done), so no
+        store can evict them in between. `promoted`: they came up from a lower tier, not from the
+        engine, so they are not counted as stores.
         """
         with self._lock:
             for key in plan.keys:
                 entry = self._entries[key]
                 if ok:
                     entry.ready = True
+                    entry.pins += pin
                     continue
                 del self._entries[key]
                 self.policy.remove(key)
                 heapq.heappush(self._free, entry.slot)
             self._stats.in_flight -= len(plan)
-            if ok:
+            if promoted:
+                self._stats.promoted += len(plan) if ok else 0
+            elif ok:
                 self._stats.stores += len(plan)
                 self._stats.bytes_stored += len(plan) * (self.slot_bytes if slot_bytes is None else slot_bytes)
             else:
@@ -217,6 +233,27 @@ class OffloadManager:
             self.policy.reorder(keys)
             self._stats.in_flight += len(keys)
             return LoadPlan(tuple(keys), slots)
+
+    def pin(self, keys: Sequence[Key]) -> np.ndarray:
+        """Pin published `keys` against eviction (a copy to a lower tier reads them); their slots."""
+        with self._lock:
+            entries = [self._entries[k] for k in keys]
+            if not all(e.ready for e in entries):
+                raise KVConnectError("only published keys can be pinned")
+            for e in entries:
+                e.pins += 1
+            return np.array([e.slot for e in entries], dtype=np.int64)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        """Undo one `pin` of `keys`."""
+        with self._lock:
+            for key in keys:
+                self._entries[key].pins -= 1
+
+    def published(self, keys: Sequence[Key]) -> np.ndarray:
+        """True per key published in the tier (no stats, no recency change)."""
+        with self._lock:
+            return np.array([(e := self._entries.get(k)) is not None and e.ready for k in keys], dtype=bool)
 
     def prepare_load_prefix(self, keys: Sequence[Key]) -> LoadPlan:
         """Lookup and pin in one step: the leading published keys, which no eviction can take in between."""

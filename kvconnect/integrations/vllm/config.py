@@ -43,6 +43,26 @@ class PDConfig(msgspec.Struct, **_Struct):
     stats_path: _Path | None = None
 
 
+class DiskTierConfig(msgspec.Struct, tag="disk", tag_field="kind", **_Struct):
+    """`{"kind": "disk", "path": ..., "max_gib": ...}`: a local-disk tier below the host pool."""
+
+    path: _Path
+    max_gib: Annotated[float, Meta(gt=0)] = 10.0
+
+
+class StoreTierConfig(msgspec.Struct, tag="store", tag_field="kind", **_Struct):
+    """`{"kind": "store", "master": "host:port", ...}`: Mooncake Store as the cluster-wide tier."""
+
+    master: Annotated[str, Meta(pattern=r"^\[?[^\s/]+\]?:[0-9]{1,5}$")]
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    local_host: str = "127.0.0.1"
+    device: str = ""
+    retry_s: _Seconds = 10.0
+
+
+TierConfig = DiskTierConfig | StoreTierConfig
+
+
 class OffloadConfig(msgspec.Struct, **_Struct):
     """Extra config of KVConnectOffload."""
 
@@ -52,6 +72,7 @@ class OffloadConfig(msgspec.Struct, **_Struct):
     salt: str = ""
     timeout_s: _Seconds = 60.0
     stats_path: _Path | None = None
+    tiers: list[TierConfig] = []
 
     @property
     def capacity_bytes(self) -> int:
@@ -78,6 +99,8 @@ def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: s
             check_transport_options(backend, cfg.transport_options)
         elif cfg.cpu_bytes is not None and cfg.cpu_gib is not None:
             raise ValueError("give cpu_bytes or cpu_gib, not both")
+        elif len({type(t) for t in cfg.tiers}) != len(cfg.tiers):
+            raise ValueError("tiers: each kind (disk, store) at most once")
     except (ValueError, KVConnectError) as exc:
         raise ValueError(f"{connector}: kv_connector_extra_config: {exc}") from None
     return cfg

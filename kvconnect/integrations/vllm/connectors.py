@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import OffloadConfig, PDConfig, kv_role, read_extra
 from kvconnect.integrations.vllm.groups import kv_groups
 from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
@@ -28,6 +29,7 @@ from kvconnect.integrations.vllm.offload_worker import OffloadWorker
 from kvconnect.integrations.vllm.pd_scheduler import PDScheduler
 from kvconnect.integrations.vllm.pd_worker import PDWorker
 from kvconnect.integrations.vllm.stats import KVConnectStats
+from kvconnect.integrations.vllm.tiers import tier_namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -187,12 +189,16 @@ class KVConnectOffload(_Facade):
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:
             raise ValueError(f"{name}: a tier of {config.capacity_bytes} bytes cannot hold one block ({slot_bytes} bytes)")
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = OffloadScheduler(config, block_size=int(vllm_config.cache_config.block_size),
-                                              num_slots=num_slots, slot_bytes=slot_bytes)
-        else:
-            self.worker = OffloadWorker(num_slots=num_slots, slot_bytes=slot_bytes, timeout_s=config.timeout_s,
-                                        connector=name)
+        namespace = tier_namespace(vllm_config, config.salt)
+        try:
+            if role == KVConnectorRole.SCHEDULER:
+                self.scheduler = OffloadScheduler(config, block_size=int(vllm_config.cache_config.block_size),
+                                                  num_slots=num_slots, slot_bytes=slot_bytes, namespace=namespace)
+            else:
+                self.worker = OffloadWorker(num_slots=num_slots, slot_bytes=slot_bytes, timeout_s=config.timeout_s,
+                                            connector=name, tiers=config.tiers, namespace=namespace)
+        except KVConnectError as exc:  # a tier directory that cannot be written, a missing package
+            raise ValueError(f"{name}: kv_connector_extra_config['tiers']: {exc}") from exc
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build_meta()
@@ -202,7 +208,7 @@ class KVConnectOffload(_Facade):
         return self.scheduler.stats()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.finished_sending() or None, None
+        return self.worker.finished_sending() or None, self.worker.finished_recving() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.invalid_blocks()

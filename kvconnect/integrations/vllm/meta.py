@@ -45,10 +45,19 @@ class Release(msgspec.Struct, **_Struct):
 
 
 class OffloadLoad(msgspec.Struct, **_Struct):
-    """Offload: copy tier slots into these blocks before the forward pass."""
+    """Offload: copy tier slots into these blocks before the forward pass.
+
+    With `request_id`, the load is asynchronous: `fetch_keys` first come up from the lower tiers into
+    `slots[fetch_from:]`, then every slot is copied, and the request is reported in finished_recving.
+    `invalid_block_ids` found no room to come up into: reported as load errors, so vLLM recomputes them.
+    """
 
     block_ids: list[int]
     slots: list[int]
+    request_id: str = ""
+    fetch_keys: list[bytes] = []
+    fetch_from: int = 0
+    invalid_block_ids: list[int] = []
 
 
 class OffloadStore(msgspec.Struct, **_Struct):
@@ -57,6 +66,7 @@ class OffloadStore(msgspec.Struct, **_Struct):
     request_id: str
     block_ids: list[int]
     slots: list[int]
+    keys: list[bytes] = []  # with lower tiers: the pages are written down under these keys
 
 
 @dataclass
@@ -83,11 +93,25 @@ class KVConnectHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, per step: offload stores that failed (their keys must not be published)."""
+    """Worker -> scheduler, per step, what the finished sets cannot say about the offload tier.
+
+    `failed_stores`: stores whose keys must not be published; `failed_fetches`: asynchronous loads
+    whose pages did not all come up (their slots are freed); `written_down`: requests whose stored
+    pages reached the lower tiers (their slots may be evicted now); `disk_stored` / `disk_gone`: keys
+    the disk tier gained and lost (evicted, or missing or corrupt when read).
+    """
 
     failed_stores: set[str] = field(default_factory=set)
+    failed_fetches: set[str] = field(default_factory=set)
+    written_down: set[str] = field(default_factory=set)
+    disk_stored: list[bytes] = field(default_factory=list)
+    disk_gone: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVConnectWorkerMeta):
             self.failed_stores |= other.failed_stores
+            self.failed_fetches |= other.failed_fetches
+            self.written_down |= other.written_down
+            self.disk_stored += other.disk_stored
+            self.disk_gone += other.disk_gone
         return self

@@ -3,6 +3,11 @@
 The scheduler owns the tier's bookkeeping (an `OffloadManager`: keys, slots, eviction, pins); the
 worker owns the bytes. A prefix hit pins its slots until the step that loads them has run; a finished
 request's new blocks get slots and are copied by the worker after that step's forward pass.
+
+With lower tiers (`tiers` in the extra config), a hit may continue below the host pool: those blocks
+get host slots, and the request waits (an asynchronous load) while the worker brings them up and
+copies them in; what cannot come up is reported as a load error and recomputed. Stored blocks stay
+pinned after they are published until the worker reports them written down.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 from kvconnect.integrations.vllm.config import OffloadConfig
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import StatsFile
+from kvconnect.integrations.vllm.tiers import LowerIndex
 from kvconnect.offload.keys import block_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
 
@@ -26,7 +32,8 @@ if TYPE_CHECKING:
 class OffloadScheduler:
     """Prefix lookups, load plans and store plans for one engine's host tier."""
 
-    def __init__(self, config: OffloadConfig, *, block_size: int, num_slots: int, slot_bytes: int):
+    def __init__(self, config: OffloadConfig, *, block_size: int, num_slots: int, slot_bytes: int,
+                 namespace: bytes = b""):
         self.block_size = block_size
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
@@ -37,6 +44,11 @@ class OffloadScheduler:
         self._load_batches: list[list[LoadPlan]] = []  # load plans per built step, unpinned when it reported
         self._stores: dict[str, StorePlan] = {}
         self._stats_file = StatsFile(config.stats_path)
+        self.lower = LowerIndex(config.tiers, namespace, slot_bytes) if config.tiers else None
+        self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
+        self._promotions: dict[str, tuple[LoadPlan, StorePlan]] = {}
+        self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
+        self._tier = {"tier_hits": 0, "promoted": 0, "promote_failed": 0, "written_down": 0}
 
     def _keys_of(self, request: Request) -> list[bytes]:
         tokens = request.prompt_token_ids or []
@@ -57,8 +69,13 @@ class OffloadScheduler:
         hits = 0
         while start + hits < limit and self.manager.contains(keys[start + hits]):
             hits += 1
+        below = 0
+        if self.lower is not None and start + hits < limit:
+            found = self.lower.contains(keys[start + hits:limit])
+            below = int(np.argmin(found)) if not found.all() else found.size
         self._computed[request.request_id] = num_computed_tokens
-        return hits * self.block_size, False
+        self._matched[request.request_id] = (hits, below)
+        return (hits + below) * self.block_size, below > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Pin the hit's slots and tell the worker to load them into the allocated blocks."""
@@ -67,11 +84,21 @@ class OffloadScheduler:
         keys = self._keys_of(request)
         start = self._computed.get(request.request_id, 0) // self.block_size
         nblk = num_external_tokens // self.block_size
-        ids = blocks.get_block_ids()[0][start:start + nblk]
+        ids = [int(i) for i in blocks.get_block_ids()[0][start:start + nblk]]
         self.manager.lookup(keys)  # counted once per admitted request, for the hit/miss stats
-        plan = self.manager.prepare_load(keys[start:start + nblk])
-        self._meta.offload_loads.append(OffloadLoad(block_ids=[int(i) for i in ids], slots=plan.slots.tolist()))
-        self._pending_loads.append(plan)
+        hits = min(nblk, self._matched.get(request.request_id, (nblk, 0))[0])
+        plan = self.manager.prepare_load(keys[start:start + hits])
+        if hits == nblk:
+            self._meta.offload_loads.append(OffloadLoad(block_ids=ids, slots=plan.slots.tolist()))
+            self._pending_loads.append(plan)
+            return
+        up = self.manager.prepare_store(keys[start + hits:start + nblk], leading=True)
+        got = hits + len(up)
+        self._tier["tier_hits"] += nblk - hits
+        self._meta.offload_loads.append(OffloadLoad(
+            block_ids=ids[:got], slots=plan.slots.tolist() + up.slots.tolist(), request_id=request.request_id,
+            fetch_keys=list(up.keys), fetch_from=hits, invalid_block_ids=ids[got:]))
+        self._promotions[request.request_id] = (plan, up)
 
     def build_meta(self) -> KVConnectMeta:
         """This step's loads and stores."""
@@ -86,11 +113,29 @@ class OffloadScheduler:
             for plan in self._load_batches.pop(0):
                 self.manager.complete_load(plan, True)
         meta = output.kv_connector_worker_meta
-        failed = meta.failed_stores if isinstance(meta, KVConnectWorkerMeta) else set()
+        if not isinstance(meta, KVConnectWorkerMeta):
+            meta = KVConnectWorkerMeta()
+        for rid in output.finished_recving or ():
+            if rid in self._promotions:
+                plan, up = self._promotions.pop(rid)
+                ok = rid not in meta.failed_fetches
+                self.manager.complete_store(up, ok, promoted=True)
+                self.manager.complete_load(plan, True)
+                self._tier["promoted" if ok else "promote_failed"] += len(up)
         for rid in output.finished_sending or ():
             plan = self._stores.pop(rid, None)
             if plan is not None:
-                self.manager.complete_store(plan, rid not in failed)
+                down = self.lower is not None and rid not in meta.failed_stores and len(plan) > 0
+                self.manager.complete_store(plan, rid not in meta.failed_stores, pin=down)
+                if down:
+                    self._writing[rid] = plan.keys
+        # After the publishing above: a write-down can be reported in the step its store is.
+        for rid in meta.written_down:
+            keys = self._writing.pop(rid, ())
+            self.manager.unpin(keys)
+            self._tier["written_down"] += len(keys)
+        if self.lower is not None:
+            self.lower.update(meta.disk_stored, meta.disk_gone)
         self._stats_file.write(self.stats())
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -98,6 +143,7 @@ class OffloadScheduler:
         rid = request.request_id
         self._keys.pop(rid, None)
         self._computed.pop(rid, None)
+        self._matched.pop(rid, None)
         ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         ntok = min(request.num_computed_tokens, len(request.all_token_ids))
         keys = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)[:len(ids)]
@@ -107,11 +153,21 @@ class OffloadScheduler:
         if len(plan) == 0:
             return False, None
         src = np.asarray(ids, dtype=np.int64)[plan.positions]
-        self._meta.offload_stores.append(OffloadStore(request_id=rid, block_ids=src.tolist(), slots=plan.slots.tolist()))
+        self._meta.offload_stores.append(OffloadStore(request_id=rid, block_ids=src.tolist(), slots=plan.slots.tolist(),
+                                                      keys=list(plan.keys) if self.lower is not None else []))
         self._stores[rid] = plan
         return True, None
 
     def stats(self) -> dict[str, Any]:
         """The tier's counters: lookups, hits, misses, stores, loads, evictions, bytes, resident, capacity..."""
         s = self.manager.stats()
-        return {f: getattr(s, f) for f in s.__dataclass_fields__}
+        out = {f: getattr(s, f) for f in s.__dataclass_fields__}
+        if self.lower is not None:
+            out.update(self._tier, disk_pages=self.lower.disk_keys(), bytes_stored_per_block=self.manager.slot_bytes,
+                       bytes_promoted=self._tier["promoted"] * self.manager.slot_bytes)
+        return out
+
+    def shutdown(self) -> None:
+        """Close the lower tiers' lookup client."""
+        if self.lower is not None:
+            self.lower.close()

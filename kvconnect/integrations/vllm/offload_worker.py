@@ -2,19 +2,30 @@
 
 Loads run before the forward pass that reads their blocks; stores after the forward pass that
 wrote them. A failed load reports its blocks as invalid (vLLM recomputes them); a failed store only
-costs a future miss.
+costs a future miss. With lower tiers, stored blocks are also written down in the background, and a
+load that needs blocks from below runs on a worker thread (the request waits, the engine steps on)
+and is reported in finished_recving when done.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta
+from kvconnect.errors import TransferError
+from kvconnect.integrations.vllm.config import TierConfig
+from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
+from kvconnect.integrations.vllm.tiers import make_tiers
+from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.mover import BlockMover
+from kvconnect.offload.tiers import PoolView
+from kvconnect.offload.tiers.chain import TierChain
+from kvconnect.offload.tiers.disk import DiskTier
 from kvconnect.regions import RegionSet
 
 log = logging.getLogger("kvconnect.vllm")
@@ -23,7 +34,8 @@ log = logging.getLogger("kvconnect.vllm")
 class OffloadWorker:
     """Runs one engine worker's tier copies."""
 
-    def __init__(self, *, num_slots: int, slot_bytes: int, timeout_s: float, connector: str):
+    def __init__(self, *, num_slots: int, slot_bytes: int, timeout_s: float, connector: str,
+                 tiers: Sequence[TierConfig] = (), namespace: bytes = b""):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
@@ -33,6 +45,15 @@ class OffloadWorker:
         self._failed_stores: set[str] = set()
         self._invalid: set[int] = set()
         self._stats = StepStats(with_metrics=False)
+        # Built here, so a tier directory that cannot be written fails at start, not at the first store.
+        self._tiers = make_tiers(tiers, namespace)
+        self._chain: TierChain | None = None
+        self._fetcher: JobRunner | None = None
+        self._lock = threading.Lock()  # the sets below are also written by the tier threads
+        self._recved: set[str] = set()
+        self._failed_fetches: set[str] = set()
+        self._written: set[str] = set()
+        self._fetched = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Allocate the host pool for these caches (one slot holds one block of every region)."""
@@ -42,10 +63,16 @@ class OffloadWorker:
             raise ValueError(f"{self.connector}: registered KV caches hold {got} bytes per block, the KV-cache "
                              f"config says {self.slot_bytes}; this layout is not supported")
         self._mover = BlockMover(kv_caches, regions, self.num_slots)
+        if self._tiers:
+            self._chain = TierChain(self._tiers, PoolView(tuple(p.view(torch.uint8).numpy() for p in self._mover.pool)))
+            self._fetcher = JobRunner(1, name="kvconnect-offload-fetch")
 
     def start(self, meta: KVConnectMeta) -> None:
         """Before the forward pass: load the planned hits into their blocks."""
         for load in meta.offload_loads:
+            if load.request_id:
+                self._fetch(load)
+                continue
             ids = np.asarray(load.block_ids, dtype=np.int64)
             try:
                 self._mover.load(np.asarray(load.slots, dtype=np.int64), ids, self._mover.engine_event(),
@@ -53,7 +80,8 @@ class OffloadWorker:
                 self._stats.add(blocks_loaded=len(ids))
             except Exception as exc:  # the blocks are recomputed by vLLM: report them, keep serving
                 log.warning("kvconnect offload: load of %d blocks failed: %s", len(ids), exc)
-                self._invalid.update(load.block_ids)
+                with self._lock:
+                    self._invalid.update(load.block_ids)
 
     def after_forward(self, meta: KVConnectMeta) -> None:
         """After the forward pass: copy finished requests' blocks into their slots."""
@@ -62,26 +90,81 @@ class OffloadWorker:
                 self._mover.store(np.asarray(store.block_ids, dtype=np.int64), np.asarray(store.slots, dtype=np.int64),
                                   self._mover.engine_event(), self.timeout_s)
                 self._stats.add(blocks_stored=len(store.block_ids))
+                self._write_down(store)
             except Exception as exc:  # the blocks are only a cache: losing them costs a future miss
                 log.warning("kvconnect offload: store for %s failed: %s", store.request_id, exc)
                 self._failed_stores.add(store.request_id)
             self._sent.add(store.request_id)
+
+    def _write_down(self, store: OffloadStore) -> None:
+        """Queue a stored request's pages for the lower tiers; the scheduler unpins them when reported."""
+        if self._chain is None or not store.keys:
+            return
+        rid = store.request_id
+
+        def done(_keys: object) -> None:
+            with self._lock:
+                self._written.add(rid)
+
+        if self._chain.write_behind(store.keys, np.asarray(store.slots, dtype=np.int64), done) == 0:
+            done(None)
+
+    def _fetch(self, load: OffloadLoad) -> None:
+        """An asynchronous load: pages up from the lower tiers, then every slot into its block."""
+        slots = np.asarray(load.slots, dtype=np.int64)
+        ids = np.asarray(load.block_ids, dtype=np.int64)
+        after = self._mover.engine_event()
+        usable = [len(ids)]
+
+        def work() -> None:
+            got = self._chain.fetch(load.fetch_keys, slots[load.fetch_from:])
+            usable[0] = load.fetch_from + (int(np.argmin(got)) if not got.all() else got.size)
+            if usable[0]:
+                self._mover.load(slots[:usable[0]], ids[:usable[0]], after, self.timeout_s)
+            if not got.all():
+                raise TransferError(f"{int((~got).sum())} of {got.size} blocks missing or corrupt in the lower tiers")
+
+        def finish(err: BaseException | None) -> None:
+            with self._lock:
+                if err is not None:
+                    log.warning("kvconnect offload: load of %s: %s", load.request_id, err)
+                    self._failed_fetches.add(load.request_id)
+                    self._invalid.update(load.block_ids[usable[0]:])
+                self._invalid.update(load.invalid_block_ids)
+                self._recved.add(load.request_id)
+                self._fetched += usable[0]
+
+        self._fetcher.submit(OffloadJob("load", tuple(load.fetch_keys), ids, 0, work, finish))
 
     def finished_sending(self) -> set[str]:
         """Requests whose store ran since the last call (vLLM may free their blocks)."""
         sent, self._sent = self._sent, set()
         return sent
 
+    def finished_recving(self) -> set[str]:
+        """Asynchronous loads that ended since the last call (their failed blocks are in invalid_blocks)."""
+        with self._lock:
+            done, self._recved = self._recved, set()
+            fetched, self._fetched = self._fetched, 0
+        self._stats.add(blocks_loaded=fetched)  # StepStats is the engine thread's alone
+        return done
+
     def worker_meta(self) -> KVConnectWorkerMeta | None:
-        """Stores that failed since the last call, for the scheduler not to publish them."""
-        if not self._failed_stores:
-            return None
-        out, self._failed_stores = KVConnectWorkerMeta(failed_stores=self._failed_stores), set()
-        return out
+        """What the scheduler must know since the last call: failed stores and fetches, write-downs, disk changes."""
+        with self._lock:
+            out = KVConnectWorkerMeta(failed_stores=self._failed_stores, failed_fetches=self._failed_fetches,
+                                      written_down=self._written)
+            self._failed_stores, self._failed_fetches, self._written = set(), set(), set()
+        for tier in self._tiers:
+            if isinstance(tier, DiskTier):
+                out.disk_stored, out.disk_gone = tier.drain_changes()
+        empty = not (out.failed_stores or out.failed_fetches or out.written_down or out.disk_stored or out.disk_gone)
+        return None if empty else out
 
     def invalid_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call."""
-        bad, self._invalid = self._invalid, set()
+        with self._lock:
+            bad, self._invalid = self._invalid, set()
         return bad
 
     def stats(self) -> KVConnectStats | None:
@@ -89,5 +172,11 @@ class OffloadWorker:
         return self._stats.take()
 
     def shutdown(self) -> None:
-        """Drop the pool."""
-        self._mover = None
+        """Finish what the tier threads hold (bounded), then drop the pool."""
+        try:
+            if self._fetcher is not None:
+                self._fetcher.close(self.timeout_s)
+            if self._chain is not None:
+                self._chain.close(self.timeout_s)
+        finally:
+            self._mover = None

@@ -1,0 +1,11 @@
+"""Lower tiers of the offload tier: local disk and Mooncake Store, below the host-memory pool.
+
+`base.Tier` is the interface (pages move between a tier and the host pool's slots, a batch at a
+time), `integrity` the per-page checksum every tier stores and checks, `disk.DiskTier` and
+`store.StoreTier` the two tiers, `chain.TierChain` the asynchronous copies down (after a host store)
+and up (a promotion on a hit below the host pool).
+"""
+
+from kvconnect.offload.tiers.base import PoolView, Tier, TierStats
+
+__all__ = ["PoolView", "Tier", "TierStats"]

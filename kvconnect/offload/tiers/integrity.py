@@ -1,0 +1,60 @@
+"""Per-page checksums for the lower tiers: xxh3-64 over the page's key and bytes.
+
+A checksum binds a page to its key, so a page stored under another key (a misplaced write, a renamed
+file, a stale object) fails the check as surely as a flipped bit. xxh3 (the maintained `xxhash`
+package) has no batch call: pages are hashed one call each, which on this machine runs at about 15
+GB/s for 256 KiB pages against 18 GB/s for one call over the whole batch, so the per-page call costs
+little beside the hashing itself; `kvconnect bench offload --tier` reports the hash's own GB/s.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import hashlib
+
+import numpy as np
+import xxhash
+
+from kvconnect.offload.tiers.base import PoolView
+
+CHECKSUM_BYTES = 8
+
+
+def page_checksums(keys: Sequence[bytes], pages: np.ndarray) -> np.ndarray:
+    """uint64 checksum of each `(key, page)`: `pages` is `(len(keys), page_bytes)` uint8."""
+    if pages.shape[0] != len(keys):
+        raise ValueError(f"{len(keys)} keys but {pages.shape[0]} pages")
+    out = np.empty(len(keys), dtype=np.uint64)
+    for i, (key, page) in enumerate(zip(keys, pages)):
+        h = xxhash.xxh3_64(key)
+        h.update(page)
+        out[i] = h.intdigest()
+    return out
+
+
+def verify(keys: Sequence[bytes], pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """True per page whose checksum equals `expected` (uint64 per page)."""
+    return page_checksums(keys, pages) == np.asarray(expected, dtype=np.uint64)
+
+
+def namespace_of(name: bytes, page_bytes: int) -> bytes:
+    """16 bytes naming what a tier's pages are: the caller's namespace (model, salt, layout) and the page size.
+
+    Two engines share pages only if both agree; another model or block size never reads them. The
+    page size is all of the layout a scheduler knows without the pool, so `name` must carry the rest
+    (the vLLM adapter puts the model, dtype and block size in it).
+    """
+    return hashlib.blake2b(bytes(name) + b"\0" + str(int(page_bytes)).encode(), digest_size=16,
+                           person=b"kvconnect-tier1").digest()
+
+
+def slot_checksums(keys: Sequence[bytes], pool: PoolView, slots: np.ndarray) -> np.ndarray:
+    """Checksums of the pages in pool `slots`, read in place (equal to `page_checksums` of the gathered pages)."""
+    out = np.empty(len(keys), dtype=np.uint64)
+    for i, (key, slot) in enumerate(zip(keys, np.asarray(slots, dtype=np.int64).tolist())):
+        h = xxhash.xxh3_64(key)
+        for rows in pool.rows:
+            h.update(rows[slot])
+        out[i] = h.intdigest()
+    return out

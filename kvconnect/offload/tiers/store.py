@@ -1,0 +1,249 @@
+"""The cluster tier: Mooncake Store, shared by every instance that names the same master.
+
+One `MooncakeDistributedStore` client per instance, contributing no memory of its own (segment 0):
+the store's memory is given by storage nodes (`mooncake_client`, or instances started with a
+segment). The host pool's arrays and a small array of trailers are registered with the client, so a
+put reads and a get writes the pool's slots in place: an object is a page's rows, region by region,
+then a 16-byte trailer (magic and the page's checksum over its key and bytes). A get checks the
+length and the checksum before the slot counts as loaded; the slot is not published otherwise.
+
+The master's health decides what happens, never the engine's step: down at start, the tier warns
+once and stays off while a background thread tries again every `retry_s`; killed mid-run, gets fail at once
+and puts within the client's own timeout (about 4 s here), each a counted miss or dropped store; back
+again, the client reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kvconnect.errors import KVConnectError
+from kvconnect.offload.tiers.base import PoolView, Tier
+from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
+from kvconnect.threads import spawn, unpinned
+
+log = logging.getLogger("kvconnect.offload.store")
+
+TRAILER_MAGIC = int(np.frombuffer(b"KVCSTOR1", dtype="<u8")[0])
+TRAILER_BYTES = 16
+# One call moves at most this much: Mooncake's batch calls hold every buffer of the batch at once.
+MAX_BATCH_KEYS = 128
+MAX_BATCH_BYTES = 64 << 20
+SLOW_LOOKUP_S = 0.5
+
+
+class StoreTier(Tier):
+    """Pages as Mooncake Store objects named `kvc/<namespace>/<key>`."""
+
+    name = "store"
+
+    def __init__(self, master: str, *, protocol: str = "tcp", local_host: str = "127.0.0.1",
+                 metadata_server: str = "P2PHANDSHAKE", device: str = "", namespace: bytes = b"",
+                 retry_s: float = 10.0, local_buffer_bytes: int = 16 << 20):
+        super().__init__()
+        if not isinstance(master, str) or ":" not in master:
+            raise KVConnectError(f"store tier master must be 'host:port', got {master!r}")
+        if protocol not in ("tcp", "rdma"):
+            raise KVConnectError(f"store tier protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        self.master = master
+        self.protocol = protocol
+        self.local_host = local_host
+        self.metadata_server = metadata_server
+        self.device = device
+        self.namespace = namespace
+        self.retry_s = retry_s
+        self.local_buffer_bytes = local_buffer_bytes
+        self._pool: PoolView | None = None
+        self._trailers: np.ndarray | None = None
+        self._client = None
+        self._prefix = ""
+        self._up = threading.Event()
+        self._closed = threading.Event()
+        self._warned_down = False
+        self._lookups_off_until = 0.0
+        self._warned: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    # ---- connection ----
+
+    def attach(self, pool: PoolView) -> None:
+        """Bind to the pool and connect; a master that is down leaves the tier off, retried in the background."""
+        self._pool = pool
+        self._trailers = np.zeros((pool.num_slots, 2), dtype="<u8")  # magic, checksum: 16 bytes a slot
+        self._connect(pool.page_bytes)
+
+    def open_for_lookups(self, page_bytes: int) -> None:
+        """Connect for `contains` only, registering no memory (a scheduler that decides what to load)."""
+        self._connect(page_bytes)
+
+    def _connect(self, page_bytes: int) -> None:
+        self._prefix = f"kvc/{namespace_of(self.namespace, page_bytes).hex()}/"
+        if not self._try_connect():
+            spawn(self._reconnect, name="kvconnect-store-connect")
+
+    @property
+    def available(self) -> bool:
+        """Whether the tier has a working client (it may still fail calls while the master is down)."""
+        return self._client is not None
+
+    def wait_available(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for a client (tests, tools); the tier itself never waits for one."""
+        return self._up.wait(timeout)
+
+    def _reconnect(self) -> None:
+        while not self._closed.wait(self.retry_s):
+            if self._try_connect():
+                log.warning("store tier: connected to Mooncake master %s", self.master)
+                return
+
+    def _master_listens(self) -> bool:
+        # The client's own setup retries an absent master for about 90 s; a plain connect answers at once.
+        host, _, port = self.master.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def _try_connect(self) -> bool:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise KVConnectError("the store tier needs the mooncake package (pip install kvconnect[mooncake])") from exc
+        rc = "no answer on its port"
+        if self._master_listens():
+            client = MooncakeDistributedStore()
+            # The client's threads inherit the caller's CPUs: an engine's pinned core would starve them.
+            code = unpinned(lambda: client.setup(self.local_host, self.metadata_server, 0, self.local_buffer_bytes,
+                                                 self.protocol, self.device, self.master))
+            if code == 0:
+                for arr in () if self._pool is None else (*self._pool.rows, self._trailers):
+                    if client.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                        client.close()
+                        raise KVConnectError(f"store tier: registering {arr.nbytes} bytes of host pool failed")
+                with self._lock:
+                    if self._closed.is_set():
+                        client.close()
+                        return True
+                    self._client = client
+                self._up.set()
+                return True
+            rc = f"setup returned {code}"
+        if not self._warned_down:
+            self._warned_down = True
+            log.warning("store tier: Mooncake master %s unreachable (%s); the tier is off and tried again every "
+                        "%.0f s", self.master, rc, self.retry_s)
+        return False
+
+    def _connected(self):
+        """The client, or None while the store has not been reached."""
+        return self._client
+
+    def _names(self, keys: Sequence[bytes]) -> list[str]:
+        return [self._prefix + k.hex() for k in keys]
+
+    def _buffers(self, slots: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+        """Per slot, the address and size of its row in every region, then of its trailer."""
+        pool = self._pool
+        addrs = np.concatenate([pool.addresses(slots),
+                                (self._trailers.ctypes.data + slots.astype(np.uint64) * TRAILER_BYTES)[:, None]],
+                               axis=1)
+        sizes = [int(n) for n in pool.row_bytes] + [TRAILER_BYTES]
+        return addrs.tolist(), [sizes] * slots.size
+
+    def _batches(self, n: int) -> list[slice]:
+        per = max(1, min(MAX_BATCH_KEYS, MAX_BATCH_BYTES // (self._pool.page_bytes + TRAILER_BYTES)))
+        return [slice(i, min(n, i + per)) for i in range(0, n, per)]
+
+    # ---- moves ----
+
+    def _batched(self, put: bool, names: list[str], slots: np.ndarray) -> np.ndarray:
+        """One multi-buffer batch call per batch: put's status or get's byte count, per object."""
+        call = self._client.batch_put_from_multi_buffers if put else self._client.batch_get_into_multi_buffers
+        out = np.zeros(len(names), dtype=np.int64)
+        for part in self._batches(len(names)):
+            ptrs, sizes = self._buffers(slots[part])
+            out[part] = call(names[part], ptrs, sizes)
+        return out
+
+    def put(self, keys: Sequence[bytes], slots: np.ndarray) -> np.ndarray:
+        """Store the pages of `slots` with their trailers; an object the store already holds counts as stored."""
+        if self._connected() is None or not keys:
+            self._count("store_failed", len(keys))
+            return np.zeros(len(keys), dtype=bool)
+        slots = np.asarray(slots, dtype=np.int64)
+        names = self._names(keys)
+        self._trailers[slots, 0] = TRAILER_MAGIC
+        self._trailers[slots, 1] = slot_checksums([n.encode() for n in names], self._pool, slots)
+        ok = self._batched(True, names, slots) == 0
+        stored = int(ok.sum())
+        self._count("stored", stored, stored * self._pool.page_bytes)
+        if stored < len(keys):
+            self._count("store_failed", len(keys) - stored)
+            log.warning("store tier: %d of %d pages not stored (master %s)", len(keys) - stored, len(keys), self.master)
+        return ok
+
+    def get(self, keys: Sequence[bytes], slots: np.ndarray) -> np.ndarray:
+        """Read objects into `slots`; a missing object, a short one or a failed checksum is False."""
+        ok = np.zeros(len(keys), dtype=bool)
+        if self._connected() is None or not keys:
+            self._count("missed", len(keys))
+            return ok
+        slots = np.asarray(slots, dtype=np.int64)
+        names = self._names(keys)
+        got = self._batched(False, names, slots)
+        whole = got == self._pool.page_bytes + TRAILER_BYTES
+        absent = got < 0
+        self._count("missed", int(absent.sum()))
+        if whole.any():
+            idx = np.flatnonzero(whole)
+            trailer = self._trailers[slots[idx]]
+            sums = slot_checksums([names[i].encode() for i in idx], self._pool, slots[idx])
+            ok[idx] = (trailer[:, 0] == TRAILER_MAGIC) & (trailer[:, 1] == sums)
+        loaded = int(ok.sum())
+        self._count("loaded", loaded, loaded * self._pool.page_bytes)
+        bad = np.flatnonzero(~ok & ~absent)
+        if bad.size:
+            self._reject([keys[i] for i in bad], got[bad])
+        return ok
+
+    def _reject(self, keys: list[bytes], sizes: np.ndarray) -> None:
+        self._count("rejected", len(keys))
+        for key, size in zip(keys, sizes.tolist()):
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning("store tier: object %s%s is %s; read as a miss", self._prefix, key.hex(),
+                            "corrupt (checksum)" if size == self._pool.page_bytes + TRAILER_BYTES
+                            else f"{size} bytes, not {self._pool.page_bytes + TRAILER_BYTES}")
+
+    def contains(self, keys: Sequence[bytes]) -> np.ndarray:
+        """True per object the master lists (an unreachable master lists none).
+
+        Lookups run on an engine's scheduling path: after a failed or slow one (the master gone, or a
+        network that drops packets and lets the RPC wait out its timeout), the next `retry_s` seconds
+        answer "none" at once instead of asking again.
+        """
+        client = self._connected()
+        if client is None or not keys or time.monotonic() < self._lookups_off_until:
+            return np.zeros(len(keys), dtype=bool)
+        start = time.monotonic()
+        got = np.asarray(client.batch_is_exist(self._names(keys)))
+        if (got < 0).any() or time.monotonic() - start > SLOW_LOOKUP_S:
+            self._lookups_off_until = time.monotonic() + self.retry_s
+            log.warning("store tier: lookups at master %s failed or were slow; answering none for %.0f s",
+                        self.master, self.retry_s)
+        return got == 1
+
+    def close(self) -> None:
+        """Close the client (the objects stay in the store for other instances)."""
+        with self._lock:
+            client, self._client = self._client, None
+            self._closed.set()
+        if client is not None:
+            client.close()
