@@ -218,3 +218,36 @@ def test_extra_config_is_refused_naming_the_key(extra, match):
     with pytest.raises(ValueError, match=match) as info:
         read_extra(C, PDConfig, "KVConnectNixl", "nixl")
     assert "KVConnectNixl" in str(info.value)
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"tiers": [{"kind": "tape"}]}, "kind"),
+    ({"tiers": [{"kind": "disk"}]}, "path"),
+    ({"tiers": [{"kind": "store", "master": "no-port"}]}, "master"),
+    ({"tiers": [{"kind": "disk", "path": "/a"}, {"kind": "disk", "path": "/b"}]}, "at most once"),
+    ({"tiers": [{"kind": "store", "master": "h:1", "protocol": "udp"}]}, "protocol"),
+])
+def test_offload_tiers_config_is_refused_naming_the_key(extra, match):
+    from vllm.config import KVTransferConfig
+
+    from kvconnect.integrations.vllm.config import OffloadConfig, read_extra
+
+    class C:
+        kv_transfer_config = KVTransferConfig(kv_connector="KVConnectOffload", kv_role="kv_both",
+                                              kv_connector_extra_config=extra)
+
+    with pytest.raises(ValueError, match=match) as info:
+        read_extra(C, OffloadConfig, "KVConnectOffload")
+    assert "KVConnectOffload" in str(info.value)
+
+
+def test_offload_disk_tier_that_cannot_be_written_fails_the_worker_at_start(tmp_path):
+    from kvconnect.errors import KVConnectError
+    from kvconnect.integrations.vllm.config import DiskTierConfig
+    from kvconnect.integrations.vllm.offload_worker import OffloadWorker
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(KVConnectError, match="not writable"):
+        OffloadWorker(num_slots=4, slot_bytes=1024, timeout_s=1.0, connector="KVConnectOffload",
+                      tiers=[DiskTierConfig(path=str(blocker / "kv"))])
