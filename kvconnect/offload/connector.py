@@ -39,7 +39,7 @@ from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.keys import block_keys, check_keys
 from kvconnect.offload.manager import OffloadManager, OffloadStats
 from kvconnect.offload.mover import BlockMover
-from kvconnect.offload.tiers import PoolView, Tier
+from kvconnect.offload.tiers import PoolView, Tier, leading
 from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.regions import BlockIds, KVGroup, RegionSet, resolve_groups
 
@@ -166,7 +166,7 @@ class OffloadConnector:
         if self._chain is None or hits == len(keys):
             return hits
         below = self._chain.contains(keys[hits:])
-        return hits + (int(np.argmin(below)) if not below.all() else below.size)
+        return hits + leading(below)
 
     def _tier_keys(self, keys: list[Hashable]) -> list[Hashable]:
         if self._chain is not None and not all(isinstance(k, bytes) for k in keys):
@@ -249,7 +249,7 @@ class OffloadConnector:
             # after them that a lower tier holds, as far as the pool has room for them.
             plan = manager.prepare_load_prefix(keys)
             below = chain.contains(keys[len(plan):])
-            wanted = keys[len(plan): len(plan) + (int(np.argmin(below)) if not below.all() else below.size)]
+            wanted = keys[len(plan): len(plan) + leading(below)]
             up = manager.prepare_store(wanted, leading=True)
             slots = np.concatenate([plan.slots, up.slots])
         else:
@@ -257,7 +257,7 @@ class OffloadConnector:
             at_host, at_below = np.flatnonzero(host), np.flatnonzero(~host)
             below = chain.contains([keys[i] for i in at_below])
             if not below.all():
-                pos = int(at_below[np.argmin(below)])
+                pos = int(at_below[leading(below)])
                 raise KVConnectError(f"key at position {pos} is in no offload tier; load only what lookup() reported")
             plan = manager.prepare_load([keys[i] for i in at_host])
             up = manager.prepare_store([keys[i] for i in at_below], leading=True)

@@ -22,6 +22,7 @@ from kvconnect.integrations.vllm.stats import StatsFile
 from kvconnect.integrations.vllm.tiers import LowerIndex
 from kvconnect.offload.keys import block_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
+from kvconnect.offload.tiers import leading
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -72,7 +73,7 @@ class OffloadScheduler:
         below = 0
         if self.lower is not None and start + hits < limit:
             found = self.lower.contains(keys[start + hits:limit])
-            below = int(np.argmin(found)) if not found.all() else found.size
+            below = leading(found)
         self._computed[request.request_id] = num_computed_tokens
         self._matched[request.request_id] = (hits, below)
         return (hits + below) * self.block_size, below > 0

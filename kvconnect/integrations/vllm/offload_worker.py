@@ -23,7 +23,7 @@ from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
 from kvconnect.integrations.vllm.tiers import make_tiers
 from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.mover import BlockMover
-from kvconnect.offload.tiers import PoolView
+from kvconnect.offload.tiers import PoolView, leading
 from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.offload.tiers.disk import DiskTier
 from kvconnect.regions import RegionSet
@@ -118,7 +118,7 @@ class OffloadWorker:
 
         def work() -> None:
             got = self._chain.fetch(load.fetch_keys, slots[load.fetch_from:])
-            usable[0] = load.fetch_from + (int(np.argmin(got)) if not got.all() else got.size)
+            usable[0] = load.fetch_from + leading(got)
             if usable[0]:
                 self._mover.load(slots[:usable[0]], ids[:usable[0]], after, self.timeout_s)
             if not got.all():

@@ -6,6 +6,6 @@ time), `integrity` the per-page checksum every tier stores and checks, `disk.Dis
 and up (a promotion on a hit below the host pool).
 """
 
-from kvconnect.offload.tiers.base import PoolView, Tier, TierStats
+from kvconnect.offload.tiers.base import PoolView, Tier, TierStats, leading
 
-__all__ = ["PoolView", "Tier", "TierStats"]
+__all__ = ["PoolView", "Tier", "TierStats", "leading"]

@@ -68,13 +68,10 @@ class PoolView:
             start += r.shape[1]
         return out
 
-    def scatter(self, pages: np.ndarray, slots: np.ndarray) -> None:
-        """Write `(len(slots), page_bytes)` pages into `slots` (one copy per region)."""
-        slots = np.asarray(slots, dtype=np.int64)
-        start = 0
-        for r in self.rows:
-            r[slots] = pages[:, start:start + r.shape[1]]
-            start += r.shape[1]
+
+def leading(found: np.ndarray) -> int:
+    """How many leading entries of a bool array are True (a prefix is what a lookup can use)."""
+    return int(np.argmin(found)) if not found.all() else int(found.size)
 
 
 @dataclass

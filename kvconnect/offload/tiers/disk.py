@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect.errors import KVConnectError
+from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers.base import PoolView, Tier
 from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 
@@ -44,6 +45,35 @@ IOV_MAX = 1024
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass
+class _Table:
+    """What a batch file's header and key table say, for a file that is whole."""
+
+    keys: list[bytes]
+    sums: np.ndarray
+    data_offset: int
+    size: int
+
+
+_TRUNCATED = _Table([], np.empty(0, dtype=np.uint64), 0, 0)
+
+
+def _read_table(path: Path, ns: bytes, page_bytes: int) -> _Table | None:
+    """The file's keys and checksums; None for another namespace or page size, _TRUNCATED if cut short."""
+    with open(path, "rb") as f:
+        magic, file_ns, size, count, key_bytes = _HEADER.unpack(f.read(_HEADER.size))
+        if magic != MAGIC or file_ns != ns or size != page_bytes:
+            return None
+        raw = f.read(count * (key_bytes + 8))
+        file_size = os.fstat(f.fileno()).st_size
+    data_offset = _aligned(_HEADER.size + count * (key_bytes + 8))
+    if len(raw) != count * (key_bytes + 8) or file_size < data_offset + count * page_bytes:
+        return _TRUNCATED
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(count, key_bytes + 8)
+    return _Table([rows[i, :key_bytes].tobytes() for i in range(count)],
+                  rows[:, key_bytes:].copy().view("<u8").ravel(), data_offset, file_size)
 
 
 @dataclass
@@ -113,6 +143,7 @@ class DiskTier(Tier):
         found = sorted(self.path.glob(f"*{SUFFIX}"), key=lambda p: self._file_number(p))
         for path in found:
             self._adopt(path)
+        self._recount()
         if self._files:
             self._next = max(self._files) + 1
             log.info("disk tier %s: found %d pages in %d files (%d bytes)", self.path, len(self._index),
@@ -126,17 +157,11 @@ class DiskTier(Tier):
         keys: set[bytes] = set()
         for file in sorted(Path(path).glob(f"*{SUFFIX}"), key=DiskTier._file_number):
             try:
-                with open(file, "rb") as f:
-                    magic, file_ns, size, count, key_bytes = _HEADER.unpack(f.read(_HEADER.size))
-                    if magic != MAGIC or file_ns != ns or size != page_bytes:
-                        continue
-                    table = f.read(count * (key_bytes + 8))
-                    whole = os.fstat(f.fileno()).st_size >= _aligned(_HEADER.size + len(table)) + count * page_bytes
+                table = _read_table(file, ns, page_bytes)
             except (OSError, struct.error):
                 continue
-            if not whole or len(table) != count * (key_bytes + 8):
-                continue
-            keys.update(table[i:i + key_bytes] for i in range(0, len(table) - key_bytes + 1, key_bytes + 8))
+            if table is not None and table is not _TRUNCATED:
+                keys.update(table.keys)
         return keys
 
     def _note(self, added: Sequence[bytes], gone: Sequence[bytes]) -> None:
@@ -163,28 +188,20 @@ class DiskTier(Tier):
         if number < 0:
             return
         try:
-            with open(path, "rb") as f:
-                magic, ns, page_bytes, count, key_bytes = _HEADER.unpack(f.read(_HEADER.size))
-                if magic != MAGIC or ns != self._ns or page_bytes != self._pool.page_bytes:
-                    return  # another layout or model: not ours to read or delete
-                table = f.read(count * (key_bytes + 8))
-            size = path.stat().st_size
+            table = _read_table(path, self._ns, self._pool.page_bytes)
         except (OSError, struct.error):
             log.warning("disk tier: skipping unreadable batch file %s", path)
             return
-        data_offset = _aligned(_HEADER.size + count * (key_bytes + 8))
-        if len(table) != count * (key_bytes + 8) or size < data_offset + count * page_bytes:
+        if table is None:
+            return  # another layout or model: not ours to read or delete
+        if table is _TRUNCATED:
             log.warning("disk tier: deleting truncated batch file %s", path)
             path.unlink(missing_ok=True)
             return
-        rows = np.frombuffer(table, dtype=np.uint8).reshape(count, key_bytes + 8)
-        sums = rows[:, key_bytes:].copy().view("<u8").ravel()
-        keys = [rows[i, :key_bytes].tobytes() for i in range(count)]
-        for i, key in enumerate(keys):
-            self._index[key] = (number, i, int(sums[i]))
-        self._files[number] = _File(path, size, data_offset, count, keys)
-        self._bytes += size
-        self._recount()
+        for i, key in enumerate(table.keys):
+            self._index[key] = (number, i, int(table.sums[i]))
+        self._files[number] = _File(path, table.size, table.data_offset, 0, table.keys)
+        self._bytes += table.size
 
     def _recount(self) -> None:
         """Live pages per file after the index changed owners (a later file wins a key)."""
@@ -386,10 +403,8 @@ def _region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
 
 def _run_views(rows: np.ndarray, slots: np.ndarray) -> list[memoryview]:
     """One buffer per run of consecutive slots in `rows` (a fresh pool hands out runs)."""
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(slots) != 1) + 1))
-    ends = np.append(starts[1:], slots.size)
-    return [memoryview(rows[a:a + (e - s)]).cast("B") for s, e, a in zip(starts.tolist(), ends.tolist(),
-                                                                        slots[starts].tolist())]
+    _, first, count = slot_runs(slots)
+    return [memoryview(rows[a:a + n]).cast("B") for a, n in zip(first.tolist(), count.tolist())]
 
 
 def _write_all(fd: int, views: list[memoryview], offset: int) -> None:

@@ -33,11 +33,6 @@ def page_checksums(keys: Sequence[bytes], pages: np.ndarray) -> np.ndarray:
     return out
 
 
-def verify(keys: Sequence[bytes], pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """True per page whose checksum equals `expected` (uint64 per page)."""
-    return page_checksums(keys, pages) == np.asarray(expected, dtype=np.uint64)
-
-
 def namespace_of(name: bytes, page_bytes: int) -> bytes:
     """16 bytes naming what a tier's pages are: the caller's namespace (model, salt, layout) and the page size.
 
