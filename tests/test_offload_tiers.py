@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -337,5 +338,33 @@ def test_store_master_killed_mid_run_fails_loads_in_time_then_reconnects(mooncak
     time.sleep(1.5)  # the reader stopped asking the master for retry_s after the failed lookup
     got = reader.wait(reader.load_prefix(later, np.arange(20, 24)))
     assert got.num_blocks == 4 and all(same_bytes(fresh[k][20:24], want[k][8:12]) for k in fresh)
+    reader.close()
+    conn.close()
+
+
+def test_store_master_stalled_bounds_lookups_and_loads_then_serves_again(mooncake_store):
+    """SIGSTOP the master: Mooncake's RPCs would wait out their 30 s timeout; lookups must not."""
+    caches = kv(blocks=48)
+    conn = connector(caches, [StoreTier(mooncake_store.address)], slots=8)
+    keys = stored(conn, tokens(4), np.arange(4))
+    fresh = kv(seed=80, blocks=48)
+    reader = connector(fresh, [StoreTier(mooncake_store.address, retry_s=2.0)], slots=8)
+    assert reader.lookup(keys) == 4
+    os.kill(mooncake_store.master.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert reader.lookup(keys) == 0  # the RPC is abandoned after SLOW_LOOKUP_S
+        assert reader.lookup(keys) == 0  # and not asked again while the master is presumed down
+        job = reader.wait(reader.load_prefix(keys, np.arange(4)))
+        assert job.num_blocks == 0
+        assert time.monotonic() - start < 10, "a stalled master held the lookups"
+    finally:
+        os.kill(mooncake_store.master.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while reader.lookup(keys) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    got = reader.wait(reader.load_prefix(keys, np.arange(10, 14)))
+    assert got.num_blocks == 4 and all(same_bytes(fresh[k][10:14], caches[k][:4]) for k in fresh)
+    assert reader.manager.pinned() == 0 and reader.stats().in_flight == 0  # nothing left held
     reader.close()
     conn.close()

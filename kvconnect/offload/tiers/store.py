@@ -67,6 +67,7 @@ class StoreTier(Tier):
         self._closed = threading.Event()
         self._warned_down = False
         self._lookups_off_until = 0.0
+        self._lookup_busy = False
         self._warned: set[bytes] = set()
         self._lock = threading.Lock()
 
@@ -223,21 +224,39 @@ class StoreTier(Tier):
                             else f"{size} bytes, not {self._pool.page_bytes + TRAILER_BYTES}")
 
     def contains(self, keys: Sequence[bytes]) -> np.ndarray:
-        """True per object the master lists (an unreachable master lists none).
+        """True per object the master lists (an unreachable or stalled master lists none).
 
-        Lookups run on an engine's scheduling path: after a failed or slow one (the master gone, or a
-        network that drops packets and lets the RPC wait out its timeout), the next `retry_s` seconds
-        answer "none" at once instead of asking again.
+        Lookups run on an engine's scheduling path, and a stalled master holds Mooncake's RPC for its
+        whole timeout (30 s here). So the RPC runs on its own thread and is waited for SLOW_LOOKUP_S
+        at most; after a failed or late one, lookups answer "none" at once for `retry_s`, and never
+        more than one RPC is outstanding.
         """
         client = self._connected()
         if client is None or not keys or time.monotonic() < self._lookups_off_until:
             return np.zeros(len(keys), dtype=bool)
-        start = time.monotonic()
-        got = np.asarray(client.batch_is_exist(self._names(keys)))
-        if (got < 0).any() or time.monotonic() - start > SLOW_LOOKUP_S:
+        with self._lock:
+            if self._lookup_busy:
+                return np.zeros(len(keys), dtype=bool)
+            self._lookup_busy = True
+        names = self._names(keys)
+        box: dict[str, list[int]] = {}
+        done = threading.Event()
+
+        def ask() -> None:
+            try:
+                box["got"] = client.batch_is_exist(names)
+            finally:
+                with self._lock:
+                    self._lookup_busy = False
+                done.set()
+
+        spawn(ask, name="kvconnect-store-lookup")
+        got = np.asarray(box["got"]) if done.wait(SLOW_LOOKUP_S) and "got" in box else None
+        if got is None or (got < 0).any():
             self._lookups_off_until = time.monotonic() + self.retry_s
-            log.warning("store tier: lookups at master %s failed or were slow; answering none for %.0f s",
-                        self.master, self.retry_s)
+            log.warning("store tier: a lookup at master %s failed or took over %.1f s; answering none for %.0f s",
+                        self.master, SLOW_LOOKUP_S, self.retry_s)
+            return np.zeros(len(keys), dtype=bool)
         return got == 1
 
     def close(self) -> None:
