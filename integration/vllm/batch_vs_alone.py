@@ -14,29 +14,41 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import Engine, make_tiny, prompts_of
+from harness import Engine, make_llama, make_tiny, prompts_of
 
-LENGTHS = [40, 700, 129, 300, 2, 511, 64, 1000]  # test_hybrid_e2e.py's concurrent prompts
+# The concurrent prompts of test_hybrid_e2e.py (hybrid families) and of test_e2e.py (llama).
+PROMPTS = {"llama": ([40, 100, 17, 250, 1, 64, 500, 33], 7)}
+HYBRID_PROMPTS = ([40, 700, 129, 300, 2, 511, 64, 1000], 9)
+MAX_TOKENS = 8
+STAGGER = 2
+
+
+def _part(alone: dict, other: dict, n: int) -> str:
+    """Where two runs of one prompt part, with both runs' top three logprobs there."""
+    i = next((k for k in range(MAX_TOKENS) if alone["token_ids"][k] != other["token_ids"][k]), None)
+    if i is None:
+        return "equal"
+    top = lambda out: ", ".join(f"{t}:{lp:.2f}" for t, lp in list(out["logprobs"][i].items())[:3])  # noqa: E731
+    return f"differ at {i}: alone [{top(alone)}] other [{top(other)}]"
 
 
 def main(families: list[str]) -> None:
-    """Print, per family and prompt, where the batched and the lone run part."""
+    """Print, per family and prompt, where the lone run and a batched or staggered run part."""
     with tempfile.TemporaryDirectory() as tmp:
         for family in families:
-            engine = Engine(make_tiny(family, Path(tmp) / family), kv=None, core="nobind", name=f"batch-{family}",
+            model = make_llama(Path(tmp) / family) if family == "llama" else make_tiny(family, Path(tmp) / family)
+            engine = Engine(model, kv=None, core="nobind", name=f"batch-{family}",
                             llm={"enable_prefix_caching": False, "max_num_seqs": 8})
             try:
-                prompts = prompts_of(LENGTHS, seed=9)
-                batch = engine.generate(prompts, max_tokens=3, logprobs=10)["outputs"]
-                for prompt, b in zip(prompts, batch):
-                    a = engine.generate([prompt], max_tokens=3, logprobs=10)["outputs"][0]
-                    i = next((k for k in range(3) if a["token_ids"][k] != b["token_ids"][k]), None)
-                    if i is None:
-                        print(f"{family:16s} n={len(prompt):<5d} equal", flush=True)
-                        continue
-                    top = lambda out: ", ".join(f"{t}:{lp:.2f}" for t, lp in list(out["logprobs"][i].items())[:3])  # noqa: E731
-                    print(f"{family:16s} n={len(prompt):<5d} differ at {i}: alone [{top(a)}] batch [{top(b)}]",
-                          flush=True)
+                lengths, seed = PROMPTS.get(family, HYBRID_PROMPTS)
+                prompts = prompts_of(lengths, seed=seed)
+                batch = engine.generate(prompts, max_tokens=MAX_TOKENS, logprobs=10)["outputs"]
+                # One request joining every STAGGER steps: decode's batches as P/D loads land.
+                staggered = engine.run(prompts, max_tokens=MAX_TOKENS, logprobs=10, stagger_steps=STAGGER)["outputs"]
+                for prompt, b, st in zip(prompts, batch, staggered):
+                    a = engine.generate([prompt], max_tokens=MAX_TOKENS, logprobs=10)["outputs"][0]
+                    print(f"{family:16s} n={len(prompt):<5d} batch: {_part(a, b, len(prompt))}; "
+                          f"staggered: {_part(a, st, len(prompt))}", flush=True)
             finally:
                 engine.close()
 

@@ -4,7 +4,7 @@ Run by the e2e tests and compare.py in a new session (so the whole process group
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
 {"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true} (generate,
-aborting some requests on the way), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
+aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
 Replies carry "ok" and results.
 """
 
@@ -36,30 +36,39 @@ def top_logprobs(output) -> list[dict[str, float]] | None:
 
 
 def run_with_aborts(llm, cmd: dict) -> dict:
-    """Add the prompts as requests, abort the chosen ones (after a delay or at their first token), step
-    until the others finish; aborted requests report finish_reason "aborted"."""
+    """Add the prompts as requests (all at once, or staggered by engine steps), abort the chosen ones
+    (after a delay or at their first token), step until the others finish; aborted requests report
+    finish_reason "aborted"."""
     engine = llm.llm_engine
     prompts = cmd["prompts"]
     params = cmd.get("params") or [None] * len(prompts)
     run = next(_runs)
     ids = [f"run{run}-{i}" for i in range(len(prompts))]  # outputs carry these; aborts take the engine's own
-    internal = {rid: engine.add_request(rid, {"prompt_token_ids": tokens}, sampling(cmd, p))
-                for rid, tokens, p in zip(ids, prompts, params)}
-    external = {v: k for k, v in internal.items()}
+    stagger = cmd.get("stagger_steps", 0)
+    waiting = list(zip(ids, prompts, params))
+    internal: dict[str, str] = {}
+    external: dict[str, str] = {}
     doomed = {ids[i] for i in cmd.get("abort", [])}
     done: dict[str, dict] = {}
     t0 = time.perf_counter()
     deadline = t0 + cmd.get("timeout_s", 300)
+    steps = 0
     while len(done) < len(ids) and time.perf_counter() < deadline:
+        while waiting and steps >= len(internal) * stagger:
+            rid, tokens, p = waiting.pop(0)
+            internal[rid] = engine.add_request(rid, {"prompt_token_ids": tokens}, sampling(cmd, p))
+            external[internal[rid]] = rid
+        steps += 1
         now = time.perf_counter() - t0
-        due = [r for r in doomed if r not in done and "abort_after_s" in cmd and now >= cmd["abort_after_s"]]
+        due = [r for r in doomed if r in internal and r not in done and "abort_after_s" in cmd and now >= cmd["abort_after_s"]]
         for out in engine.step():
             out.request_id = external.get(out.request_id, out.request_id)
             if out.request_id in doomed and cmd.get("abort_at_first_token") and out.outputs[0].token_ids:
                 due.append(out.request_id)
             elif out.finished:
                 done[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
-                                        "finish_reason": out.outputs[0].finish_reason}
+                                        "finish_reason": out.outputs[0].finish_reason,
+                                        "logprobs": top_logprobs(out.outputs[0])}
         if due:
             engine.abort_request(sorted({internal[r] for r in due}), internal=True)
             for r in due:

@@ -167,10 +167,11 @@ class Engine:
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout,
                          logprobs=logprobs)
 
-    def run(self, prompts, *, max_tokens=8, params=None, timeout=300.0, **abort) -> dict:
-        """Generate while aborting some requests: abort=[indices] with abort_after_s or abort_at_first_token."""
+    def run(self, prompts, *, max_tokens=8, params=None, timeout=300.0, **options) -> dict:
+        """Generate while aborting some requests (abort=[indices] with abort_after_s or abort_at_first_token)
+        or adding them one by one (stagger_steps=k); logprobs=n as for generate."""
         return self.call(op="run", prompts=prompts, max_tokens=max_tokens, params=params, timeout=timeout,
-                         timeout_s=timeout - 10, **abort)
+                         timeout_s=timeout - 10, **options)
 
     def signal(self, sig: int) -> None:
         """Send a signal to the engine's whole process group (SIGSTOP/SIGCONT stall and resume it)."""
@@ -207,7 +208,6 @@ def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
-
 
 
 def read_stats(path: Path) -> dict:
@@ -254,3 +254,29 @@ def add_tokenizer(path: Path) -> Path:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return path
+
+
+def assert_close(got: dict, ref: dict, what: str, logprobs: int) -> None:
+    """Equal greedy tokens, or, at the first difference, vLLM's closeness rule over the top `logprobs`."""
+    ours, theirs = got["token_ids"], ref["token_ids"]
+    if ours == theirs:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    top_ours, top_ref = got["logprobs"][i], ref["logprobs"][i]
+    assert str(ours[i]) in top_ref and str(theirs[i]) in top_ours, \
+        f"{what}: token {i} is {ours[i]} after P/D and {theirs[i]} alone, not within each other's top-{logprobs}"
+    print(f"{what}: tokens differ from position {i} on, within each other's top-{logprobs} logprobs")
+
+
+def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> None:
+    """Decode's pages after the load equal prefill's (KVCONNECT_DUMP_DIR dumps), group, layer and block."""
+    import numpy as np
+
+    rid = params["remote_request_id"]
+    before, after = np.load(held / f"held-{rid}.npz"), np.load(loaded / f"loaded-{rid}.npz")
+    assert sorted(before.files) == sorted(after.files), (before.files, after.files)
+    assert len({key.split(":")[0] for key in before.files}) == groups, before.files
+    for key in before.files:  # "group:layer"
+        want, got = before[key], after[key]
+        # Decode may already hold a prefix (fewer local blocks): its blocks are the suffix of prefill's.
+        assert got.shape[0] <= want.shape[0] and np.array_equal(got, want[want.shape[0] - got.shape[0]:]), key

@@ -14,12 +14,9 @@ model disagrees with itself, the tokens are not held to that rule (see TOKENS_CH
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
+from harness import Engine, assert_close, assert_pages_moved, kv_config, make_tiny, prompts_of, read_stats, wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -67,30 +64,6 @@ def hybrid_pd(request, tmp_path_factory):
         D.close()
 
 
-def assert_close(got: dict, ref: dict, what: str) -> None:
-    """Equal greedy tokens, or, at the first difference, vLLM's closeness rule over the top LOGPROBS."""
-    ours, theirs = got["token_ids"], ref["token_ids"]
-    if ours == theirs:
-        return
-    i = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-    top_ours, top_ref = got["logprobs"][i], ref["logprobs"][i]
-    assert str(ours[i]) in top_ref and str(theirs[i]) in top_ours, \
-        f"{what}: token {i} is {ours[i]} after P/D and {theirs[i]} alone, not within each other's top-{LOGPROBS}"
-    print(f"{what}: tokens differ from position {i} on, within each other's top-{LOGPROBS} logprobs")
-
-
-def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> None:
-    """Decode's pages after the load equal prefill's, group by group, layer by layer, block by block."""
-    rid = params["remote_request_id"]
-    before, after = np.load(held / f"held-{rid}.npz"), np.load(loaded / f"loaded-{rid}.npz")
-    assert sorted(before.files) == sorted(after.files), (before.files, after.files)
-    assert len({key.split(":")[0] for key in before.files}) == groups, before.files
-    for key in before.files:  # "group:layer"
-        want, got = before[key], after[key]
-        # Decode may already hold a prefix (fewer local blocks): its blocks are the suffix of prefill's.
-        assert got.shape[0] <= want.shape[0] and np.array_equal(got, want[want.shape[0] - got.shape[0]:]), key
-
-
 def _pd(P: Engine, D: Engine, prompts: list[list[int]]) -> tuple[list[dict], dict]:
     pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
@@ -109,7 +82,7 @@ def test_hybrid_pd_tokens_and_pages_match_a_plain_run(hybrid_pd):
         if len(prompt) > 1:  # a 1-token prompt leaves decode nothing to load: it computes the token itself
             assert_pages_moved(held, loaded, params[0], groups)
         if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
-            assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens")
+            assert_close(out, ref, f"{name}, prompt of {len(prompt)} tokens", LOGPROBS)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
 
 
@@ -123,5 +96,5 @@ def test_hybrid_pd_eight_concurrent_requests(hybrid_pd):
     for p, out, ref, prompt in zip(params, dec["outputs"], base, prompts):
         assert_pages_moved(held, loaded, p, groups)  # first: the bytes are what kvconnect answers for
         if TOKENS_CHECKED_CONCURRENT.get(family, True) and len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
-            assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens")
+            assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens", LOGPROBS)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
