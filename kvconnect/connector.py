@@ -16,12 +16,14 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from kvconnect import wire
+from kvconnect.compat import layers_digest
 from kvconnect.errors import KVConnectError
 from kvconnect.layout import KVCacheLayout
 from kvconnect.pd.consumer import Consumer, LoadFailure
 from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.producer import Producer
 from kvconnect.regions import KVGroup, RegionSet, resolve_groups
+from kvconnect.shards import PageShards, Segment, check_page, global_bytes
 from kvconnect.sidechannel.addresses import check_bind, is_wildcard
 from kvconnect.threads import unpinned
 from kvconnect.transport import BACKENDS, Transport, check_transport_options, make_transport
@@ -50,8 +52,12 @@ class ConnectorConfig:
     heartbeat_s: float = 5.0
     block_size: int = 16
     layout: str = "LBHNC"
+    # Tensor parallelism: this worker's rank and the engine's TP size (each rank is one connector).
     rank: int = 0
     world_size: int = 1
+    # Per layer name, how its pages split across TP ranks (kvconnect.shards); needed to pair with a
+    # peer of another TP size, never between equal sizes.
+    shards: Mapping[str, PageShards] | None = None
     # KV-cache groups by layer name (hybrid models); None means one group of every registered layer.
     groups: Sequence[KVGroup] | None = None
     transport_options: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +95,9 @@ class ConnectorConfig:
         if not (isinstance(self.rank, int) and isinstance(self.world_size, int) and 0 <= self.rank < self.world_size):
             raise KVConnectError(f"rank must be in [0, world_size), got rank {self.rank!r}, world_size "
                                  f"{self.world_size!r}")
+        if self.shards is not None and not all(isinstance(v, tuple) and v and all(isinstance(x, Segment) for x in v)
+                                               for v in self.shards.values()):
+            raise KVConnectError("shards must map layer names to non-empty tuples of kvconnect.shards.Segment")
         if self.groups is not None and (not self.groups or not all(isinstance(g, KVGroup) for g in self.groups)):
             raise KVConnectError("groups must be a non-empty list of KVGroup")
         check_transport_options(self.backend, self.transport_options)
@@ -144,9 +153,14 @@ class KVConnector:
             raise KVConnectError("register_kv_caches was already called on this connector")
         cfg = self.config
         layers = [g.layers for g in cfg.groups] if cfg.groups else [tuple(kv_caches)]
-        regions = RegionSet.from_kv_caches(kv_caches, layer_groups=layers)
+        regions = RegionSet.from_kv_caches(kv_caches, layer_groups=layers, shards=cfg.shards)
+        for r in regions:
+            if r.shards is not None:
+                check_page(r.shards, cfg.world_size, r.block_bytes, f"region {r.label}")
         group_regions = resolve_groups(regions, cfg.groups)
-        self._page_bytes = {name: math.prod(t.shape[1:]) * t.element_size() for name, t in kv_caches.items()}
+        # Per layer, the bytes of one block as a TP-1 engine would hold them: what peers of any TP size compare.
+        self._page_bytes = {name: global_bytes((cfg.shards or {}).get(name), math.prod(t.shape[1:]) * t.element_size(),
+                                               cfg.world_size) for name, t in kv_caches.items()}
         # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
         transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
@@ -159,7 +173,7 @@ class KVConnector:
         if cfg.role in ("consumer", "both"):
             self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
                                      expect=self.metadata.compat, group_regions=group_regions, rank=cfg.rank,
-                                     secret=cfg.secret, load_timeout_s=cfg.load_timeout_s,
+                                     world_size=cfg.world_size, secret=cfg.secret, load_timeout_s=cfg.load_timeout_s,
                                      handshake_timeout_s=cfg.handshake_timeout_s)
         return regions
 
@@ -191,7 +205,7 @@ class KVConnector:
                              groups=tuple(wire.GroupCompat(
                                  label=g.label, block_size=g.block_size or cfg.block_size,
                                  page_bytes=tuple(self._page_bytes[name] for name in g.layers),
-                                 layers=wire.layers_digest([g.layers])) for g in groups))
+                                 layers=layers_digest([g.layers])) for g in groups))
         return wire.EngineMetadata(
             engine_id=cfg.engine_id, incarnation=wire.process_incarnation(), rank=cfg.rank, world_size=cfg.world_size,
             transport=transport.name, transport_metadata=transport.local_metadata(),

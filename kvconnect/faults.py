@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 from kvconnect import wire
 from kvconnect.errors import TransferError
 from kvconnect.regions import BlockIds, RegionSet
+from kvconnect.shards import PageSlices
 from kvconnect.sidechannel import SideChannelServer, metadata_handler
 from kvconnect.transport.base import RegionIndices, TransferState, Transport
 
@@ -64,9 +65,9 @@ class FaultyTransport(Transport):
         """Delegated."""
         return self.inner.local_metadata()
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
         """Delegated."""
-        self.inner.add_peer(peer_id, metadata, regions)
+        self.inner.add_peer(peer_id, metadata, regions, slices)
 
     def remove_peer(self, peer_id: str) -> None:
         """Delegated."""

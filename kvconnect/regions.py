@@ -18,6 +18,7 @@ import torch
 
 from kvconnect import wire
 from kvconnect.errors import BlockRangeError, LayoutError
+from kvconnect.shards import PageShards, Segment, assign_shards
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
 _EMPTY = np.empty((0, 3), dtype=np.uint64)
@@ -41,6 +42,8 @@ class Region:
     block_stride: int
     device_id: int
     memory_kind: MemoryKind
+    # How a block splits across TP ranks (kvconnect.shards); None: not described, TP sizes must match.
+    shards: PageShards | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_bytes <= 0:
@@ -228,18 +231,22 @@ class RegionSet:
 
     @classmethod
     def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor],
-                       layer_groups: Sequence[Sequence[str]] | None = None) -> RegionSet:
+                       layer_groups: Sequence[Sequence[str]] | None = None,
+                       shards: Mapping[str, PageShards] | None = None) -> RegionSet:
         """One region per layer tensor (aliases merged), or one for a single cross-layer tensor.
 
         With `layer_groups` (the layers of each KV-cache group), per-layer views that lie side by side
         in every block of one buffer (a blocks-outermost layout) merge into one cross-layer region per
-        group.
+        group. `shards` describes, per layer, how its pages split across TP ranks (kvconnect.shards).
         """
         if not kv_caches:
             raise LayoutError("register_kv_caches got no tensors")
-        regions = _merge_aliases([_region_of(name, t) for name, t in kv_caches.items()])
+        layers = [_region_of(name, t) for name, t in kv_caches.items()]
+        regions = _merge_aliases(layers)
         if layer_groups is not None:
             regions = _merge_layers(regions, layer_groups)
+        if shards:
+            regions = assign_shards(regions, {r.names[0]: r for r in layers}, shards)
         rs = cls(regions)
         # A transport keeps raw addresses: the tensors must outlive the set, or it would write freed memory.
         rs._tensors = tuple(kv_caches.values())
@@ -328,7 +335,10 @@ class RegionSet:
         """The regions as they cross the wire (geometry only)."""
         return tuple(wire.RegionMeta(names=tuple(r.names), base_addr=int(r.base_addr), num_blocks=int(r.num_blocks),
                                      block_bytes=int(r.block_bytes), block_stride=int(r.block_stride),
-                                     device_id=int(r.device_id), memory_kind=r.memory_kind.value)
+                                     device_id=int(r.device_id), memory_kind=r.memory_kind.value,
+                                     shards=None if r.shards is None else tuple(
+                                         wire.SegmentMeta(offset=s.offset, repeat=s.repeat, stride=s.stride,
+                                                          unit=s.unit, total=s.total) for s in r.shards))
                      for r in self.regions)
 
     @classmethod
@@ -336,7 +346,10 @@ class RegionSet:
         """A peer's regions from decoded wire regions; WireError if they do not make sense together."""
         try:
             return cls([Region(tuple(r.names), r.base_addr, r.num_blocks, r.block_bytes, r.block_stride, r.device_id,
-                               MemoryKind(r.memory_kind)) for r in regions])
+                               MemoryKind(r.memory_kind),
+                               None if r.shards is None else tuple(
+                                   Segment(s.offset, s.repeat, s.stride, s.unit, s.total) for s in r.shards))
+                        for r in regions])
         except (LayoutError, ValueError, OverflowError) as exc:
             raise wire.WireError(f"peer regions are invalid: {exc}") from None
 

@@ -7,21 +7,23 @@ against that message's limit before msgspec looks at a single byte. Failures sur
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
-from typing import Annotated, Any, Literal, Sequence, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
-from kvconnect.errors import HandshakeError, KVConnectError
+from kvconnect.errors import KVConnectError
 
 # Protocol history (bump on any change a peer could misread; peers only talk at equal versions):
 #   1 - MAC'd request envelope, two-phase reply, transfer parameters, claim/done/abort/heartbeat.
 #   2 - KV-cache groups in the metadata and the compatibility check (labels, page bytes, layer map);
 #       claims granted for a duration rather than until a wall-clock time.
-PROTOCOL_VERSION = 2
+#   3 - tensor parallelism: regions describe their split across ranks, transfer params name every
+#       rank of the producer, notices say how many consumer ranks read a lease; page bytes in the
+#       compatibility check are those of TP 1.
+PROTOCOL_VERSION = 3
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -42,6 +44,8 @@ MAX_KV_GROUPS = 64
 MAX_BLOCKS_PER_GROUP = 1 << 20
 # Request ids in one control message (claim, done, abort, heartbeat); send more in chunks.
 MAX_IDS_PER_MESSAGE = 256
+MAX_SEGMENTS = 64
+MAX_TP = 1024
 
 _I64_MAX = (1 << 63) - 1
 
@@ -52,7 +56,6 @@ _RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 _Incarnation = Annotated[str, Meta(min_length=1, max_length=64)]
 _Token = Annotated[str, Meta(min_length=1, max_length=64)]
 _Rank = Annotated[int, Meta(ge=0, le=65535)]
-_WorldSize = Annotated[int, Meta(ge=1, le=65536)]
 _BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 # Addresses stay below 2**63: real virtual addresses are 48 or 57 bits, and the region math is int64.
 _Address = Annotated[int, Meta(ge=0, le=_I64_MAX)]
@@ -75,20 +78,22 @@ class WireError(KVConnectError, ValueError):
     """A message failed its size, schema or value checks."""
 
 
-class IncompatiblePeerError(HandshakeError):
-    """The peer's compatibility fingerprint differs from ours; `.differences` is (field, ours, theirs)."""
-
-    def __init__(self, message: str, differences: tuple[tuple[str, object, object], ...]) -> None:
-        super().__init__(message)
-        self.differences = differences
-
-
 _Config: Any = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
 # Every tagged struct names its kind in the same field, so that any of them can share a union.
 _Tagged: Any = dict(tag_field="kind", **_Config)
 
 
 # ---- engine metadata ----
+
+class SegmentMeta(Struct, array_like=True, **_Config):
+    """One segment of a page's split across TP ranks (mirrors `kvconnect.shards.Segment`)."""
+
+    offset: _NonNegative
+    repeat: Annotated[int, Meta(ge=1, le=1 << 16)]
+    stride: _NonNegative
+    unit: _Positive
+    total: Annotated[int, Meta(ge=1, le=1 << 20)]
+
 
 class RegionMeta(Struct, **_Config):
     """One registered memory region as it crosses the wire (mirrors `kvconnect.regions.Region`)."""
@@ -100,6 +105,8 @@ class RegionMeta(Struct, **_Config):
     block_stride: _NonNegative
     device_id: Annotated[int, Meta(ge=0, le=65535)]
     memory_kind: MemoryKindName
+    # How a page splits across TP ranks; None when the engine described no split (TP sizes must match).
+    shards: Annotated[tuple[SegmentMeta, ...], Meta(min_length=1, max_length=MAX_SEGMENTS)] | None = None
 
     def __post_init__(self) -> None:
         # Cross-field checks; during decoding msgspec turns this ValueError into a ValidationError.
@@ -142,7 +149,8 @@ class EngineMetadata(Struct, **_Config):
     # Fresh per process: a peer that restarts under the same engine id must be re-added by the transport.
     incarnation: _Incarnation
     rank: _Rank
-    world_size: _WorldSize
+    # The engine's tensor-parallel size: each rank is one worker with its own regions and side channel.
+    world_size: Annotated[int, Meta(ge=1, le=MAX_TP)]
     transport: _Token
     transport_metadata: Annotated[bytes, Meta(max_length=MAX_TRANSPORT_METADATA_BYTES)] = b""
     regions: Annotated[tuple[RegionMeta, ...], Meta(min_length=1, max_length=MAX_REGIONS)]
@@ -165,6 +173,14 @@ class EngineMetadata(Struct, **_Config):
 
 # ---- transfer parameters ----
 
+class RankAddr(Struct, array_like=True, **_Config):
+    """Where one TP rank of a producer answers, and the incarnation its blocks were held under."""
+
+    host: _Host
+    port: _Port
+    incarnation: _Incarnation
+
+
 class TransferParams(Struct, **_Config):
     """What a producer hands out for one request so that a consumer can pull its KV blocks."""
 
@@ -181,6 +197,22 @@ class TransferParams(Struct, **_Config):
     # Unix seconds after which the producer may free the blocks (advice: heartbeats extend it).
     lease_expiry: _UnixTime
     incarnation: _Incarnation
+    # Every TP rank of the producer, rank 0 first; empty for a producer of one rank (host/port above).
+    ranks: Annotated[tuple[RankAddr, ...], Meta(max_length=MAX_TP)] = ()
+
+    def __post_init__(self) -> None:
+        if self.ranks and (self.ranks[0].host, self.ranks[0].port, self.ranks[0].incarnation) != \
+                (self.host, self.port, self.incarnation):
+            raise ValueError("ranks[0] must be the host, port and incarnation the params name")
+
+    @property
+    def tp_size(self) -> int:
+        """How many TP ranks hold the request (each holds its shard of every block)."""
+        return max(len(self.ranks), 1)
+
+    def rank(self, rank: int) -> RankAddr:
+        """Where producer rank `rank` answers."""
+        return self.ranks[rank] if self.ranks else RankAddr(host=self.host, port=self.port, incarnation=self.incarnation)
 
 
 # ---- side-channel requests: a metadata request, or a control message about requests' leases ----
@@ -200,6 +232,10 @@ class _Notice(Struct, **_Tagged):
     rank: _Rank
 
 
+# How many consumer ranks read one lease: it ends once that many distinct ranks said done or abort.
+_Readers = Annotated[int, Meta(ge=1, le=MAX_TP)]
+
+
 class Claim(_Notice, tag="claim"):
     """The consumer is about to read these requests' blocks: keep them for at least `need_s` seconds.
 
@@ -210,19 +246,23 @@ class Claim(_Notice, tag="claim"):
     request_ids: _RequestIds
     need_s: _Seconds
     incarnation: _Incarnation
+    readers: _Readers = 1
 
 
 class Done(_Notice, tag="done"):
-    """The consumer finished reading these requests' blocks; the producer may free them."""
+    """This consumer rank finished reading these requests' blocks; the producer frees them once all
+    `readers` ranks have."""
 
     request_ids: _RequestIds
+    readers: _Readers = 1
 
 
 class Abort(_Notice, tag="abort"):
-    """The consumer gives up on these requests; the producer may free their blocks."""
+    """This consumer rank gives up on these requests; counted like done (it reads no more)."""
 
     request_ids: _RequestIds
     reason: _Detail = ""
+    readers: _Readers = 1
 
 
 class Heartbeat(_Notice, tag="heartbeat"):
@@ -384,46 +424,6 @@ def metadata_reply(meta: EngineMetadata) -> HandshakeReply:
     # line on this side, instead of as a puzzling "malformed" on every peer.
     METADATA.decode(payload)
     return HandshakeReply(compat=meta.compat, payload=payload)
-
-
-# ---- compatibility ----
-
-def check_compat(expected: Compat, got: Compat) -> None:
-    """Raise IncompatiblePeerError (a HandshakeError) naming every field where `got` differs."""
-    differences = [(name, getattr(expected, name), getattr(got, name))
-                   for name in Compat.__struct_fields__
-                   if name != "groups" and getattr(expected, name) != getattr(got, name)]
-    differences += _group_differences(expected.groups, got.groups)
-    if differences:
-        listed = "; ".join(f"{name}: ours {ours!r}, peer's {theirs!r}" for name, ours, theirs in differences)
-        fields = ", ".join(name for name, _, _ in differences)
-        raise IncompatiblePeerError(f"incompatible peer ({fields} differ): {listed}", tuple(differences))
-
-
-def _group_differences(ours: tuple[GroupCompat, ...], theirs: tuple[GroupCompat, ...]) -> list:
-    if len(ours) != len(theirs):
-        return [("group count", len(ours), len(theirs))]
-    out: list[tuple[str, object, object]] = []
-    for g, (a, b) in enumerate(zip(ours, theirs)):
-        where = f"group {g} ({a.label})"
-        if a.label != b.label:
-            out.append((f"group {g} kind", a.label, b.label))
-        if a.block_size != b.block_size:
-            out.append((f"{where} block size", a.block_size, b.block_size))
-        if len(a.page_bytes) != len(b.page_bytes):
-            out.append((f"{where} layer count", len(a.page_bytes), len(b.page_bytes)))
-        elif a.page_bytes != b.page_bytes:
-            k = next(i for i, (x, y) in enumerate(zip(a.page_bytes, b.page_bytes)) if x != y)
-            out.append((f"{where} page bytes of its layer {k}", a.page_bytes[k], b.page_bytes[k]))
-        if a.layers != b.layers and len(a.page_bytes) == len(b.page_bytes):
-            out.append((f"{where} layer-to-group map", a.layers, b.layers))
-    return out
-
-
-def layers_digest(names: Sequence[Sequence[str]]) -> str:
-    """A stable digest of lists of layer names (a group's layers: the layer-to-group map)."""
-    text = "\x1e".join("\x1f".join(sorted(n)) for n in names)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 # ---- identity and regions ----

@@ -36,6 +36,7 @@ import torch
 from kvconnect import wire
 from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
 from kvconnect.layout import MambaPage
+from tp_caches import tp_caches
 
 MAMBA = MambaPage([(3, 64), (4, 8, 16)], [torch.float16, torch.float32], page_size_bytes=4096)
 
@@ -153,6 +154,8 @@ class Setup(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     host: str
     device: str
     env: dict[str, str]
+    rank: int = 0
+    world_size: int = 1
 
 
 class Ready(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -280,10 +283,16 @@ def serve(channel: Channel, setup: Setup) -> None:
     """Register a cache, report Ready, then answer hold/abort/held/releases until stop, kill or disconnect."""
     # UCX and Mooncake read their variables when their engines start, which happens below.
     os.environ.update(setup.env)
-    caches, groups = make_caches(setup.kind, setup.num_blocks, setup.seed, setup.device)
+    shards = None
+    if setup.kind.startswith("tp-"):  # one tensor-parallel rank's shard of a model-wide cache
+        caches, groups, shards = tp_caches(setup.kind, setup.num_blocks, setup.seed, setup.world_size, setup.rank)
+        caches = {name: t.to(setup.device) for name, t in caches.items()}
+    else:
+        caches, groups = make_caches(setup.kind, setup.num_blocks, setup.seed, setup.device)
     connector = KVConnector(ConnectorConfig(
         role="producer", engine_id=setup.engine_id, host=setup.host, port=setup.port, lease_s=setup.lease_s,
-        secret=setup.secret, groups=groups, backend=setup.backend))
+        secret=setup.secret, groups=groups, backend=setup.backend, rank=setup.rank, world_size=setup.world_size,
+        shards=shards))
     try:
         connector.register_kv_caches(caches)
         host, port = connector.side_channel

@@ -16,8 +16,8 @@ MAX_FUNCTION_LINES = 60
 LAYERS = [
     {"errors", "metrics", "threads", "progress", "__init__"},
     {"layout"},
-    {"wire"},
-    {"regions"},
+    {"wire", "compat"},
+    {"regions", "shards"},
     {"sidechannel"},
     {"transport"},
     {"pd", "offload"},

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import free_port, msgpack_values
 from kvconnect import HandshakeError, wire
+from kvconnect.compat import IncompatiblePeerError, check_compat, layers_digest
 from kvconnect.sidechannel import SECRET_ENV, SideChannelServer, call, fetch_metadata, metadata_handler, resolve_secret
 from kvconnect.sidechannel.auth import ReplayCache, new_nonce, request_mac
 from kvconnect.wire import EngineMetadata, RegionMeta
@@ -64,7 +65,7 @@ def make_metadata(rank: int = 0, **overrides: object) -> EngineMetadata:
 def compat_of(fields: dict) -> wire.Compat:
     """The compatibility fingerprint metadata with these fields carry."""
     group = wire.GroupCompat(label="attention", block_size=fields["block_size"], page_bytes=(8192,),
-                             layers=wire.layers_digest([("model.layers.0.attn",)]))
+                             layers=layers_digest([("model.layers.0.attn",)]))
     return wire.Compat(transport=fields["transport"], layout=fields["layout"], dtype=fields["dtype"],
                        block_size=fields["block_size"], groups=(group,))
 
@@ -759,7 +760,7 @@ def test_reply_from_another_protocol_version_names_the_version(zctx: zmq.Context
     future = msgspec.msgpack.encode({"protocol_version": wire.PROTOCOL_VERSION + 1, "body": [1, 2], "new": True})
     with _fake_listener(zctx, lambda request: [future]) as port:
         err = _assert_fails_in_time(port, "protocol_version", timeout=5.0)
-    assert isinstance(err, wire.IncompatiblePeerError)
+    assert isinstance(err, IncompatiblePeerError)
     assert str(wire.PROTOCOL_VERSION + 1) in str(err)
 
 
@@ -776,7 +777,7 @@ def test_incompatible_listener_is_reported_field_by_field() -> None:
         return make_metadata(rank, block_size=32, dtype="float8_e4m3fn")
 
     with serve(other) as srv:
-        with pytest.raises(wire.IncompatiblePeerError) as info:
+        with pytest.raises(IncompatiblePeerError) as info:
             fetch_metadata("127.0.0.1", srv.port, timeout=5.0, expect=make_metadata(0).compat)
     message = str(info.value)
     assert "block_size" in message and "16" in message and "32" in message
@@ -843,6 +844,7 @@ _OPTIMIZED_SCRIPT = textwrap.dedent(
     except AssertionError:
         sys.exit("not running under -O")
     from kvconnect import HandshakeError, wire
+    from kvconnect.compat import check_compat
     from kvconnect.sidechannel import SideChannelServer, fetch_metadata, metadata_handler
 
     def check(ok, what):
@@ -883,7 +885,7 @@ _OPTIMIZED_SCRIPT = textwrap.dedent(
                 check(reason in str(exc), str(exc))
         check(fetch_metadata("127.0.0.1", auth.port, timeout=5, secret=secret) == meta, "auth fetch")
         try:
-            wire.check_compat(meta.compat, wire.Compat(transport="t", layout="LBHNC", dtype="fp8", block_size=16,
+            check_compat(meta.compat, wire.Compat(transport="t", layout="LBHNC", dtype="fp8", block_size=16,
                                                        groups=(group,)))
             check(False, "incompatible accepted")
         except HandshakeError as exc:

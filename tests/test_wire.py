@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import msgpack_values
 import kvconnect
 from kvconnect import wire
+from kvconnect.compat import IncompatiblePeerError, check_compat, layers_digest
 from kvconnect.sidechannel.auth import MAC_BYTES, new_nonce, reply_mac, request_mac
 from kvconnect.wire import (
     Abort,
@@ -69,7 +70,7 @@ def compat(fields: dict, **overrides: object) -> Compat:
     """The compatibility fingerprint of metadata with these fields (one attention group)."""
     group = GroupCompat(label="attention", block_size=fields["block_size"],
                        page_bytes=tuple(r.block_bytes for r in fields["regions"]),
-                       layers=wire.layers_digest([r.names for r in fields["regions"]]))
+                       layers=layers_digest([r.names for r in fields["regions"]]))
     values = dict(transport=fields["transport"], layout=fields["layout"], dtype=fields["dtype"],
                   block_size=fields["block_size"], groups=(group,))
     values.update(overrides)
@@ -331,14 +332,14 @@ def test_oversized_message_is_refused_at_encode_time() -> None:
 
 
 def test_check_compat_accepts_equal_fingerprints() -> None:
-    wire.check_compat(metadata().compat, metadata().compat)
+    check_compat(metadata().compat, metadata().compat)
 
 
 def test_check_compat_names_every_differing_field_with_both_values() -> None:
     ours = metadata().compat
     theirs = msgspec.structs.replace(ours, block_size=32, dtype="float16", layout="BLHNC")
     with pytest.raises(kvconnect.HandshakeError) as info:
-        wire.check_compat(ours, theirs)
+        check_compat(ours, theirs)
     message = str(info.value)
     for field, mine, peer in (("block_size", 16, 32), ("dtype", "bfloat16", "float16"), ("layout", "LBHNC", "BLHNC")):
         assert field in message
@@ -357,8 +358,8 @@ def test_check_compat_names_every_differing_field_with_both_values() -> None:
 def test_check_compat_names_a_single_differing_field(field: str, value: object) -> None:
     ours = metadata().compat
     theirs = msgspec.structs.replace(ours, **{field: value})
-    with pytest.raises(wire.IncompatiblePeerError, match=field):
-        wire.check_compat(ours, theirs)
+    with pytest.raises(IncompatiblePeerError, match=field):
+        check_compat(ours, theirs)
 
 
 @pytest.mark.parametrize(
@@ -374,10 +375,10 @@ def test_check_compat_names_a_single_differing_field(field: str, value: object) 
 def test_check_compat_names_the_group_that_differs(change: dict, named: str) -> None:
     ours = metadata().compat
     theirs = msgspec.structs.replace(ours, groups=(msgspec.structs.replace(ours.groups[0], **change),))
-    with pytest.raises(wire.IncompatiblePeerError, match=named):
-        wire.check_compat(ours, theirs)
-    with pytest.raises(wire.IncompatiblePeerError, match="group count"):
-        wire.check_compat(ours, msgspec.structs.replace(ours, groups=ours.groups * 2))
+    with pytest.raises(IncompatiblePeerError, match=named):
+        check_compat(ours, theirs)
+    with pytest.raises(IncompatiblePeerError, match="group count"):
+        check_compat(ours, msgspec.structs.replace(ours, groups=ours.groups * 2))
 
 
 def test_checked_params_refuse_a_struct_built_with_values_off_the_schema() -> None:

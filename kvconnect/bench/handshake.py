@@ -76,6 +76,7 @@ def _measure_raw(count: int, request_bytes: int, reply_bytes: int) -> list[float
 def _metadata():
     """A realistic metadata reply: one region per layer of a mid-sized model."""
     from kvconnect import wire
+    from kvconnect.compat import layers_digest
 
     regions = tuple(
         wire.RegionMeta(
@@ -91,7 +92,7 @@ def _metadata():
     )
     compat = wire.Compat(transport="bench", layout="LBHNC", dtype="bfloat16", block_size=16, groups=(
         wire.GroupCompat(label="attention", block_size=16, page_bytes=tuple(r.block_bytes for r in regions),
-                         layers=wire.layers_digest([r.names for r in regions])),))
+                         layers=layers_digest([r.names for r in regions])),))
     return wire.EngineMetadata(
         engine_id="bench-engine", incarnation=wire.process_incarnation(), rank=0, world_size=1, transport="bench",
         transport_metadata=bytes(4096), regions=regions, group_regions=(tuple(range(len(regions))),), block_size=16,

@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(needs the `plot` extra: matplotlib)")
     parser.add_argument("--sweep", type=positive_ints, default="256,1024,4096",
                         help="token counts for --plot, comma-separated")
+    parser.add_argument("--prefill-tp", type=positive_int, default=1,
+                        help="prefill ranks (one process each); with --decode-tp, a pull between TP sizes")
+    parser.add_argument("--decode-tp", type=positive_int, default=1, help="decode ranks (connectors in this process)")
 
 
 def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[str, Any]:
@@ -77,9 +80,42 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_tp(args: argparse.Namespace) -> int:
+    """Pull between TP sizes beside the same bytes 1 -> 1 and the backend posting the same descriptors."""
+    from kvconnect.workload.tp import TPSpec, descriptor_build_ms, run_tp_pull
+
+    spec = TPSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
+                  prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, seed=args.seed)
+    tp = run_tp_pull(spec)
+    same = run_tp_pull(TPSpec(**{**spec.__dict__, "prefill_tp": 1, "decode_tp": 1}))
+    build_ms, rows = descriptor_build_ms()
+    result = {**tp, "backend": args.backend, "preset": args.preset, "tokens": args.tokens,
+              "one_to_one_gbps": same["gbps"], "ratio_vs_one_to_one": tp["gbps"] / same["gbps"],
+              "ratio_vs_backend": tp["gbps"] / tp["backend_gbps"] if tp["backend_gbps"] else None,
+              "descriptor_build_ms_131072_blocks": build_ms, "descriptor_rows": rows,
+              "verified": tp["verified"] and same["verified"]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"kvconnect bench transfer: {args.backend}, {args.preset}, prefill TP {args.prefill_tp} -> decode TP "
+              f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens "
+              f"({tp['bytes_per_request'] / 2**20:.1f} MiB each, medians)")
+        print(f"  {'':40s} {'GB/s':>8s} {'kvconnect/x':>12s}")
+        print(f"  {'kvconnect P/D pull across TP sizes':40s} {tp['gbps']:8.2f}")
+        print(f"  {'kvconnect P/D pull, same bytes 1 -> 1':40s} {same['gbps']:8.2f} {result['ratio_vs_one_to_one']:12.2f}")
+        if tp["backend_gbps"]:
+            print(f"  {args.backend + ' posting the same descriptors':40s} {tp['backend_gbps']:8.2f} "
+                  f"{result['ratio_vs_backend']:12.2f}")
+        print(f"  descriptors of a 2 -> 1 head split of 131072 blocks: {rows} rows in {build_ms:.2f} ms")
+        print(f"  verified: {result['verified']}; failed: {tp['failed'] + same['failed']}")
+    return 0 if result["verified"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally plot; exit status 1 if any byte differed or any request failed."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.prefill_tp != 1 or args.decode_tp != 1:
+        return run_tp(args)
     if args.plot:
         import matplotlib  # noqa: F401  (missing: exit 3 with the install hint, before the sweep runs)
 

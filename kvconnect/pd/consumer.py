@@ -5,6 +5,12 @@
 producer the params name. One id space: a load claims, reads and releases the producer's lease named
 by `params.request_id`; the engine's own id travels only as the load's `handle`, by which the load is
 aborted and reported.
+
+With tensor parallelism each rank of a decode engine is one consumer. A load from a producer of
+another TP size reads from every producer rank that holds a part of this rank's pages (one part per
+producer rank, each on that rank's worker, `kvconnect.shards.rank_plan`): it is loaded once every
+part is, and failed as soon as one part fails (the others are aborted, so every rank's lease ends).
+Producer ranks no decode rank reads are told to release the request by one decode rank.
 """
 
 from __future__ import annotations
@@ -20,9 +26,18 @@ from kvconnect.errors import KVConnectError
 from kvconnect.pd.peer import Load, LoadFailure, PeerWorker
 from kvconnect.pd.plan import PeerAddr, local_ids
 from kvconnect.regions import RegionSet
+from kvconnect.shards import RankPlan, rank_plan
 from kvconnect.transport.base import Transport
 
 __all__ = ["Consumer", "LoadFailure", "LoadResults"]
+
+
+@dataclass
+class _Parts:
+    """The parts of one load still running, and its first failure."""
+
+    left: int
+    failure: LoadFailure | None = None
 
 
 @dataclass
@@ -38,7 +53,8 @@ class Consumer:
     """Pulls finished prefills' KV blocks from producers into local blocks."""
 
     def __init__(self, *, engine_id: str, transport: Transport, regions: RegionSet, expect: wire.Compat,
-                 group_regions: Sequence[Sequence[int]], rank: int = 0, secret: bytes | str | None = None,
+                 group_regions: Sequence[Sequence[int]], rank: int = 0, world_size: int = 1,
+                 secret: bytes | str | None = None,
                  load_timeout_s: float = 60.0, handshake_timeout_s: float = 5.0, notice_timeout_s: float = 1.0,
                  peer_idle_s: float = 300.0, max_peers: int = 256, close_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -49,6 +65,7 @@ class Consumer:
         self.group_regions = [list(g) for g in group_regions]
         self.group_bytes = [sum(regions[k].block_bytes for k in g) for g in self.group_regions]
         self.rank = rank
+        self.world_size = world_size
         self.secret = secret
         self.load_timeout_s = load_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -59,7 +76,9 @@ class Consumer:
         self.clock = clock
         self._lock = threading.Lock()
         self._workers: dict[PeerAddr, PeerWorker] = {}
-        self._by_handle: dict[str, PeerWorker] = {}
+        self._by_handle: dict[str, list[PeerWorker]] = {}
+        self._parts: dict[str, _Parts] = {}
+        self._plans: dict[int, RankPlan] = {}
         self._leases: dict[str, str] = {}  # producer request id -> handle of the load using it
         self._results = LoadResults()
         self._closed = False
@@ -71,8 +90,9 @@ class Consumer:
         """Queue a pull of `params`' blocks into these local block ids (one list per KV group); returns the handle.
 
         A group with fewer local ids than remote ones pulls only the remote suffix (the consumer
-        already holds the prefix). Anything wrong with the arguments raises a KVConnectError and
-        queues nothing; everything found later is a reported failure.
+        already holds the prefix). Anything wrong with the arguments (TP sizes that cannot map
+        included) raises a KVConnectError and queues nothing; everything found later is a reported
+        failure.
         """
         params = wire.checked_params(params)
         handle = params.request_id if handle is None else str(handle)
@@ -80,7 +100,10 @@ class Consumer:
         timeout = self.load_timeout_s if timeout_s is None else timeout_s
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise KVConnectError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
-        load = Load(params=params, handle=handle, local=local, deadline=self.clock() + timeout)
+        plan = self._plan(params.tp_size)
+        deadline = self.clock() + timeout
+        parts = [Load(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
+                      readers=plan.readers[p]) for p in plan.reads]
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")
@@ -89,21 +112,29 @@ class Consumer:
             if params.request_id in self._leases:
                 raise KVConnectError(f"producer request {params.request_id!r} is already being read by load "
                                      f"{self._leases[params.request_id]!r}")
-            worker = self._worker(PeerAddr.of(params))
-            self._by_handle[handle] = worker
+            workers = [self._worker(PeerAddr.of(params, part.peer_rank)) for part in parts]
+            releasers = [self._worker(PeerAddr.of(params, p)) for p in plan.releases]
+            self._by_handle[handle] = workers
+            self._parts[handle] = _Parts(left=len(parts))
             self._leases[params.request_id] = handle
-            worker.inbox.put(load)
+            for worker, part in zip(workers, parts):
+                worker.inbox.put(part)
+            for worker in releasers:
+                worker.inbox.put(("release", params.request_id, 1))
         return handle
 
     def abort(self, handle: str) -> None:
         """Give up on a load: reported failed (stage abort) once nothing more can land in its blocks."""
         with self._lock:
-            worker = self._by_handle.get(handle)
-            if worker is not None:
+            for worker in self._by_handle.get(handle, ()):
                 worker.inbox.put(("abort", handle))
 
     def release(self, params: wire.TransferParams | dict) -> None:
-        """Tell the producer to free a request's blocks without reading them (the consumer holds them all)."""
+        """Tell the producer to free a request's blocks without reading them (the consumer holds them all).
+
+        Each decode rank releases the producer ranks `p` with `p % decode TP == rank`, so every rank of
+        the producer hears it once.
+        """
         params = wire.checked_params(params)
         with self._lock:
             if self._closed:
@@ -112,7 +143,8 @@ class Consumer:
                 # The producer would free blocks a READ in flight is still reading.
                 raise KVConnectError(f"producer request {params.request_id!r} is being read by load "
                                      f"{self._leases[params.request_id]!r}; abort that load instead")
-            self._worker(PeerAddr.of(params)).inbox.put(("release", params.request_id))
+            for p in range(self.rank, params.tp_size, self.world_size):
+                self._worker(PeerAddr.of(params, p)).inbox.put(("release", params.request_id, 1))
 
     def poll(self) -> LoadResults:
         """Loads that finished or failed since the last call."""
@@ -125,6 +157,12 @@ class Consumer:
         """Loads queued or in flight."""
         with self._lock:
             return len(self._by_handle)
+
+    def peer_ids(self) -> list[str]:
+        """The transport peer ids of the producer ranks this consumer holds a handshake with."""
+        with self._lock:
+            workers = list(self._workers.values())
+        return [w.peer.peer_id for w in workers if w.peer is not None]
 
     @property
     def peers(self) -> int:
@@ -148,18 +186,34 @@ class Consumer:
     # ---- called by the workers ----
 
     def report_loaded(self, load: Load) -> None:
-        """A load finished: every byte landed."""
+        """A part of a load finished: every byte of it landed."""
         with self._lock:
-            self._forget(load)
-            self._results.loaded.append(load.handle)
+            self._part_ended(load, None)
 
     def report_failed(self, load: Load) -> None:
-        """A load failed and nothing more can land in its blocks."""
+        """A part of a load failed and nothing more can land from it; its siblings are aborted."""
         with self._lock:
-            self._forget(load)
-            self._results.failed[load.handle] = load.failure
-            for ids in load.local:
-                self._results.invalid_block_ids.update(ids.tolist())
+            parts = self._parts.get(load.handle)
+            if parts is not None and parts.failure is None and parts.left > 1:
+                for worker in self._by_handle.get(load.handle, ()):
+                    worker.inbox.put(("abort", load.handle))
+            self._part_ended(load, load.failure)
+
+    def _part_ended(self, load: Load, failure: LoadFailure | None) -> None:
+        parts = self._parts.get(load.handle)
+        if parts is None:  # the load ended already (a late report of an aborted part)
+            return
+        parts.left -= 1
+        parts.failure = parts.failure or failure
+        if parts.left > 0:
+            return
+        self._forget(load)
+        if parts.failure is None:
+            self._results.loaded.append(load.handle)
+            return
+        self._results.failed[load.handle] = parts.failure
+        for ids in load.local:
+            self._results.invalid_block_ids.update(ids.tolist())
 
     def retire(self, worker: PeerWorker) -> bool:
         """An idle worker asks to exit; refused when work reached it meanwhile."""
@@ -169,7 +223,15 @@ class Consumer:
             del self._workers[worker.addr]
             return True
 
+    def _plan(self, peer_tp: int) -> RankPlan:
+        plan = self._plans.get(peer_tp)
+        if plan is None:
+            plan = rank_plan([r.shards for r in self.regions], self.world_size, self.rank, peer_tp)
+            self._plans[peer_tp] = plan
+        return plan
+
     def _forget(self, load: Load) -> None:
+        self._parts.pop(load.handle, None)
         if self._by_handle.get(load.handle) is not None:
             del self._by_handle[load.handle]
         if self._leases.get(load.request_id) == load.handle:

@@ -36,7 +36,7 @@ class LeaseKeeper:
         self.timeout_s = min(timeout_s, heartbeat_s)
         self._on_lost = on_lost
         self._lock = threading.Lock()
-        self._tracked: dict[str, PeerAddr] = {}  # producer request id -> producer
+        self._tracked: dict[str, tuple[PeerAddr, ...]] = {}  # producer request id -> its producer's ranks
         self._lost: list[str] = []
         self._stop = threading.Event()
         self._thread = spawn(self._run, name="kvconnect-lease-keeper")
@@ -44,7 +44,7 @@ class LeaseKeeper:
     def track(self, params: wire.TransferParams) -> None:
         """Start heartbeating the lease `params` name (idempotent)."""
         with self._lock:
-            self._tracked[params.request_id] = PeerAddr.of(params)
+            self._tracked[params.request_id] = tuple(PeerAddr.of(params, r) for r in range(params.tp_size))
 
     def untrack(self, request_id: str) -> None:
         """Stop heartbeating a producer request id (unknown ids are ignored)."""
@@ -79,8 +79,9 @@ class LeaseKeeper:
         """One heartbeat round to every producer holding a tracked request."""
         with self._lock:
             by_peer: dict[PeerAddr, list[str]] = {}
-            for rid, addr in self._tracked.items():
-                by_peer.setdefault(addr, []).append(rid)
+            for rid, addrs in self._tracked.items():
+                for addr in addrs:
+                    by_peer.setdefault(addr, []).append(rid)
         targets = [Target(addr.host, addr.port, wire.Heartbeat(engine_id=self.engine_id, rank=self.rank,
                                                                 request_ids=tuple(rids[i:i + wire.MAX_IDS_PER_MESSAGE])))
                    for addr, rids in by_peer.items() for i in range(0, len(rids), wire.MAX_IDS_PER_MESSAGE)]

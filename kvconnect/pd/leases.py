@@ -2,7 +2,9 @@
 
 Pure bookkeeping, no I/O: the producer feeds it holds, claims, heartbeats, done/abort notices and the
 clock, and drains the releases to report the blocks to the engine as free. Every lease ends exactly
-once, by done, abort or expiry.
+once, by done, abort or expiry. A lease read by several consumer ranks (a decode instance of another
+TP size) ends once as many distinct ranks as the notices say read it have each said done or abort:
+until then one of them may still be reading.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -35,6 +37,9 @@ class Lease:
     block_ids: tuple[np.ndarray, ...]
     num_tokens: int
     expires_at: float
+    readers: int = 1
+    finished: set = field(default_factory=set)  # consumer ranks that said done or abort
+    aborted: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,9 @@ class LeaseTable:
             self._on_change(1, None)
         return lease
 
-    def claim(self, request_ids: Iterable[str], need_s: float) -> tuple[dict[str, float], dict[str, str]]:
-        """Pin live leases for a read lasting up to `need_s` (at most `max_claim_s`).
+    def claim(self, request_ids: Iterable[str], need_s: float,
+              readers: int = 1) -> tuple[dict[str, float], dict[str, str]]:
+        """Pin live leases for a read lasting up to `need_s` (at most `max_claim_s`) by one of `readers` ranks.
 
         Returns (granted: seconds from now the lease is pinned for, refused: reason).
         """
@@ -97,6 +103,7 @@ class LeaseTable:
                     refused[rid] = f"lease {ended[0].value}" if ended else "unknown request"
                     continue
                 lease.expires_at = max(lease.expires_at, until)
+                lease.readers = max(lease.readers, readers)
                 granted[rid] = lease.expires_at - now
         return granted, refused
 
@@ -113,9 +120,22 @@ class LeaseTable:
                     live.append(rid)
         return live
 
-    def release(self, request_id: str, reason: ReleaseReason) -> bool:
-        """End a lease (done or abort); False if it had already ended or never existed."""
+    def release(self, request_id: str, reason: ReleaseReason, reader: object = None, readers: int = 1) -> bool:
+        """End a lease (done or abort); False if it had already ended or never existed.
+
+        With `reader` (a consumer rank), the lease ends once `readers` distinct readers released it.
+        """
         with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            if reader is not None:
+                lease.readers = max(lease.readers, readers)
+                lease.finished.add(reader)
+                lease.aborted |= reason is ReleaseReason.ABORTED
+                if len(lease.finished) < lease.readers:
+                    return True
+                reason = ReleaseReason.ABORTED if lease.aborted else reason
             return self._end_locked(request_id, reason, self._clock())
 
     def expire(self) -> int:

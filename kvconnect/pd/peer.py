@@ -68,10 +68,18 @@ class Load:
     posted_at: float = 0.0
     failure: LoadFailure | None = None
     notify: bool = True
+    # Which producer rank this part of the load reads, and how many consumer ranks read that rank.
+    peer_rank: int = 0
+    readers: int = 1
 
     @property
     def request_id(self) -> str:
         return self.params.request_id
+
+    @property
+    def incarnation(self) -> str:
+        """The incarnation the producer rank held the request under."""
+        return self.params.rank(self.peer_rank).incarnation
 
 
 @dataclass
@@ -79,6 +87,7 @@ class _Peer:
     peer_id: str
     incarnation: str
     regions: RegionSet
+    tp: int
 
 
 class PeerWorker:
@@ -90,8 +99,8 @@ class PeerWorker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.active: dict[str, Load] = {}
         self.peer: _Peer | None = None
-        self._done: list[str] = []
-        self._aborts: list[tuple[str, str]] = []
+        self._done: list[tuple[str, int]] = []  # (request id, readers)
+        self._aborts: list[tuple[str, str, int]] = []  # (request id, reason, readers)
         self._notices_down_until = 0.0
         self._idle_since = owner.clock()
         self.thread = spawn(self._run, name=f"kvconnect-peer-{addr}")
@@ -136,7 +145,7 @@ class PeerWorker:
             elif isinstance(item, tuple) and item[0] == "abort":
                 self._abort(item[1], new)
             elif isinstance(item, tuple) and item[0] == "release":
-                self._done.append(item[1])
+                self._done.append((item[1], item[2]))
         if new:
             self._start(new)
         self._progress()
@@ -157,48 +166,56 @@ class PeerWorker:
                 ready.append(load)
             except KVConnectError as exc:
                 self._fail(load, "params", str(exc))
-        for chunk in _chunks(ready, wire.MAX_IDS_PER_MESSAGE):
-            for load in self._claim(chunk):
-                self._post(load)
+        by_readers: dict[int, list[Load]] = {}
+        for load in ready:
+            by_readers.setdefault(load.readers, []).append(load)
+        for readers, same in by_readers.items():
+            for chunk in _chunks(same, wire.MAX_IDS_PER_MESSAGE):
+                for load in self._claim(chunk, readers):
+                    self._post(load)
 
     def _handshake(self, loads: list[Load]) -> list[Load]:
         """The loads whose producer incarnation we hold metadata for (handshaking first if needed)."""
-        stale = [ld for ld in loads if self.peer is None or ld.params.incarnation != self.peer.incarnation]
+        stale = [ld for ld in loads if self.peer is None or ld.incarnation != self.peer.incarnation]
         if stale:
             try:
-                self._connect(self._left(stale))
+                self._connect(self._left(stale), stale[0].params.tp_size)
             except (KVConnectError, ValueError) as exc:
                 for load in loads:
                     self._fail(load, "handshake", str(exc))
                 return []
         out = []
         for load in loads:
-            if load.params.incarnation != self.peer.incarnation:
+            if load.incarnation != self.peer.incarnation:
                 self._fail(load, "lease", f"producer restarted (incarnation {self.peer.incarnation}, params from "
-                                          f"{load.params.incarnation})", notify=False)
+                                          f"{load.incarnation})", notify=False)
+            elif load.params.tp_size != self.peer.tp:
+                self._fail(load, "params", f"params name a producer of TP {load.params.tp_size}, it runs TP "
+                                           f"{self.peer.tp}", notify=False)
             else:
                 out.append(load)
         return out
 
-    def _connect(self, left: float) -> None:
+    def _connect(self, left: float, peer_tp: int) -> None:
         """Handshake within the loads' remaining time; a producer that cannot be reached fails sooner."""
         if left <= 0:
             raise KVConnectError("load deadline passed before the handshake")
         o = self.owner
         t0 = time.perf_counter()
-        meta = fetch_metadata(self.addr.host, self.addr.port, rank=o.rank, timeout=left, secret=o.secret,
+        meta = fetch_metadata(self.addr.host, self.addr.port, rank=self.addr.rank, timeout=left, secret=o.secret,
                               expect=o.expect, connect_timeout=min(o.handshake_timeout_s, left))
         metrics.handshake_seconds.observe(time.perf_counter() - t0)
         if self.peer is not None and self.peer.incarnation == meta.incarnation:
             return
-        regions = check_peer(meta, self.addr, o.regions, o.group_regions)
+        regions, slices = check_peer(meta, self.addr, o.regions, o.group_regions, tp=o.world_size, rank=o.rank,
+                                     peer_tp=peer_tp)
         peer_id = f"{self.addr}#{next(_peer_ids)}"
-        o.transport.add_peer(peer_id, meta.transport_metadata, regions)
+        o.transport.add_peer(peer_id, meta.transport_metadata, regions, slices)
         self._drop_peer("producer restarted")
-        self.peer = _Peer(peer_id, meta.incarnation, regions)
+        self.peer = _Peer(peer_id, meta.incarnation, regions, meta.world_size)
         self._notices_down_until = 0.0
 
-    def _claim(self, loads: list[Load]) -> list[Load]:
+    def _claim(self, loads: list[Load], readers: int) -> list[Load]:
         """The loads whose leases the producer pinned for us; the others fail (stage lease)."""
         left = self._left(loads)
         if left <= 0:
@@ -206,7 +223,8 @@ class PeerWorker:
                 self._fail(load, "lease", "load deadline passed before the claim")
             return []
         claim = wire.Claim(engine_id=self.owner.engine_id, rank=self.owner.rank, need_s=min(left, 86400.0),
-                           request_ids=tuple(ld.request_id for ld in loads), incarnation=self.peer.incarnation)
+                           request_ids=tuple(ld.request_id for ld in loads), incarnation=self.peer.incarnation,
+                           readers=readers)
         sent_at = self.owner.clock()
         try:
             reply = call(self.addr.host, self.addr.port, claim, timeout=left, secret=self.owner.secret,
@@ -274,7 +292,7 @@ class PeerWorker:
         self._release(load)
         metrics.transfer_bytes.labels(backend).inc(
             sum(ids.size * self.owner.group_bytes[g] for g, ids in enumerate(load.local)))
-        self._done.append(load.request_id)
+        self._done.append((load.request_id, load.readers))
         self.owner.report_loaded(load)
 
     def _fail(self, load: Load, stage: str, reason: str, notify: bool = True) -> None:
@@ -291,7 +309,7 @@ class PeerWorker:
         self.active.pop(load.handle, None)
         self._release(load)
         if load.notify:
-            self._aborts.append((load.request_id, load.failure.reason[:1000]))
+            self._aborts.append((load.request_id, load.failure.reason[:1000], load.readers))
         log.warning("kvconnect load failed: request=%s peer=%s stage=%s reason=%s", load.handle, self.addr,
                     load.failure.stage, load.failure.reason)
         metrics.failures.labels(load.failure.stage).inc()
@@ -324,12 +342,12 @@ class PeerWorker:
         if o.clock() < self._notices_down_until:
             metrics.failures.labels("notify").inc(len(done) + len(aborts))
             return
-        targets = [Target(self.addr.host, self.addr.port, wire.Done(engine_id=o.engine_id, rank=o.rank,
-                                                                    request_ids=tuple(ids)))
-                   for ids in _chunks(done, wire.MAX_IDS_PER_MESSAGE)]
+        targets = [Target(self.addr.host, self.addr.port, wire.Done(
+            engine_id=o.engine_id, rank=o.rank, request_ids=tuple(rid for rid, _ in chunk), readers=chunk[0][1]))
+            for same in _by_last(done) for chunk in _chunks(same, wire.MAX_IDS_PER_MESSAGE)]
         targets += [Target(self.addr.host, self.addr.port, wire.Abort(
-            engine_id=o.engine_id, rank=o.rank, request_ids=tuple(rid for rid, _ in chunk), reason=chunk[0][1]))
-            for chunk in _chunks(aborts, wire.MAX_IDS_PER_MESSAGE)]
+            engine_id=o.engine_id, rank=o.rank, request_ids=tuple(rid for rid, _, _ in chunk), reason=chunk[0][1],
+            readers=chunk[0][2])) for same in _by_last(aborts) for chunk in _chunks(same, wire.MAX_IDS_PER_MESSAGE)]
         for target, result in zip(targets, call_many(targets, timeout=o.notice_timeout_s, secret=o.secret)):
             if isinstance(result, KVConnectError):
                 self._notices_down_until = o.clock() + _NOTICE_BACKOFF_S
@@ -367,6 +385,14 @@ class PeerWorker:
             self._report_failed(load)
         self._drop_peer()
         self._send_notices()
+
+
+def _by_last(items: list[tuple]) -> list[list[tuple]]:
+    """Items grouped by their last field (the readers count a notice carries for all its ids)."""
+    groups: dict[object, list[tuple]] = {}
+    for item in items:
+        groups.setdefault(item[-1], []).append(item)
+    return list(groups.values())
 
 
 def _chunks(items: list, size: int):

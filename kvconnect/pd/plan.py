@@ -1,10 +1,12 @@
 """What a consumer checks before it reads: a peer's metadata against hard limits, and each load's ids.
 
 Pure functions, no I/O. A peer's metadata are checked before anything is allocated for it: its region
-count, groups and block bytes must equal ours (a peer can only be read into regions that match), and
-what it claims about its block counts costs nothing until a load reads those blocks. A load's remote
-ids are checked against the peer's regions and aligned to the local ids (a shorter local list pulls
-the remote suffix: the consumer already holds the prefix).
+count and groups must equal ours, and its block bytes too, unless it runs another TP size: then each
+region's split (kvconnect.shards) must map onto ours, and the byte ranges that peer rank supplies to
+each local block are computed here, once. What a peer claims about its block counts costs nothing
+until a load reads those blocks. A load's remote ids are checked against the peer's regions and
+aligned to the local ids (a shorter local list pulls the remote suffix: the consumer already holds
+the prefix).
 """
 
 from __future__ import annotations
@@ -14,42 +16,63 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from kvconnect import wire
-from kvconnect.errors import BlockRangeError, HandshakeError
+from kvconnect.errors import BlockRangeError, HandshakeError, LayoutError
 from kvconnect.regions import RegionSet
+from kvconnect.shards import PageSlices, check_page, page_slices
 
 
 class PeerAddr(NamedTuple):
-    """Where a producer's side channel is, and the engine id it must answer with."""
+    """Where one rank of a producer answers, and the engine id it must answer with."""
 
     engine_id: str
     host: str
     port: int
+    rank: int = 0
 
     @classmethod
-    def of(cls, params: wire.TransferParams) -> PeerAddr:
-        """The producer a set of transfer params names."""
-        return cls(params.engine_id, params.host, params.port)
+    def of(cls, params: wire.TransferParams, rank: int = 0) -> PeerAddr:
+        """Rank `rank` of the producer a set of transfer params names."""
+        where = params.rank(rank)
+        return cls(params.engine_id, where.host, where.port, rank)
 
     def __str__(self) -> str:
-        return f"{self.engine_id}@{self.host}:{self.port}"
+        return f"{self.engine_id}@{self.host}:{self.port}" + (f"#{self.rank}" if self.rank else "")
 
 
-def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet,
-               group_regions: Sequence[Sequence[int]]) -> RegionSet:
-    """The peer's regions, once its metadata passed every check that must come before allocating for it."""
+def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group_regions: Sequence[Sequence[int]],
+               *, tp: int = 1, rank: int = 0, peer_tp: int = 1) -> tuple[RegionSet, PageSlices | None]:
+    """The peer's regions, and the byte ranges it supplies to each local block when its TP size differs
+    (None: whole blocks), once its metadata passed every check that must come before allocating for it."""
     if meta.engine_id != addr.engine_id:
         raise HandshakeError(f"peer at {addr.host}:{addr.port} is engine {meta.engine_id!r}, "
                              f"the params name {addr.engine_id!r}")
+    if (meta.rank, meta.world_size) != (addr.rank, peer_tp):
+        raise HandshakeError(f"peer at {addr.host}:{addr.port} is rank {meta.rank} of TP {meta.world_size}, the "
+                             f"params name rank {addr.rank} of TP {peer_tp}")
     if len(meta.regions) != len(ours):
         raise HandshakeError(f"peer has {len(meta.regions)} regions, this consumer {len(ours)}")
     theirs = [list(g) for g in meta.group_regions]
     if theirs != [list(g) for g in group_regions]:
         raise HandshakeError(f"peer groups its regions as {_short(theirs)}, this consumer as {_short(group_regions)}")
-    for k, (r, mine) in enumerate(zip(meta.regions, ours.regions)):
-        if r.block_bytes != mine.block_bytes:
-            raise HandshakeError(f"region {k} ({mine.label}): peer blocks are {r.block_bytes} bytes, "
-                                 f"ours {mine.block_bytes}")
-    return RegionSet.from_wire(meta.regions)
+    if peer_tp == tp:
+        for k, (r, mine) in enumerate(zip(meta.regions, ours.regions)):
+            if r.block_bytes != mine.block_bytes:
+                raise HandshakeError(f"region {k} ({mine.label}): peer blocks are {r.block_bytes} bytes, "
+                                     f"ours {mine.block_bytes}")
+        return RegionSet.from_wire(meta.regions), None
+    regions = RegionSet.from_wire(meta.regions)
+    slices = {}
+    for k, (r, mine) in enumerate(zip(regions.regions, ours.regions)):
+        if mine.shards is None or r.shards is None:
+            whose = "ours" if mine.shards is None else "the peer's"
+            raise HandshakeError(f"cannot map prefill TP {peer_tp} onto decode TP {tp}: region {k} ({mine.label}) "
+                                 f"has no tensor-parallel split described ({whose})")
+        try:
+            check_page(r.shards, peer_tp, r.block_bytes, f"peer region {k} ({mine.label})")
+        except LayoutError as exc:
+            raise HandshakeError(str(exc)) from None
+        slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, addr.rank)
+    return regions, slices
 
 
 def _short(groups: Sequence[Sequence[int]]) -> str:

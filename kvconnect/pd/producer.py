@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Callable, Sequence
 
+import msgspec
+
 from kvconnect import metrics, wire
 from kvconnect.errors import BlockRangeError
 from kvconnect.pd.leases import LeaseTable, Release, ReleaseReason
@@ -88,17 +90,31 @@ class Producer:
                 why = f"producer restarted (incarnation {mine}, claim for {claimed})"
                 return wire.ClaimReply(granted_s={}, refused={rid: why for rid in msg.request_ids}, incarnation=mine)
             case wire.Claim():
-                granted, refused = self.leases.claim(msg.request_ids, msg.need_s)
+                granted, refused = self.leases.claim(msg.request_ids, msg.need_s, msg.readers)
                 return wire.ClaimReply(granted_s=granted, refused=refused, incarnation=mine)
             case wire.Heartbeat():
                 return wire.Ack(live=tuple(self.leases.heartbeat(msg.request_ids)))
             case wire.Done():
-                return wire.Ack(live=self._release(msg.request_ids, ReleaseReason.DONE))
+                return wire.Ack(live=self._release(msg, ReleaseReason.DONE))
             case wire.Abort():
-                ended = self._release(msg.request_ids, ReleaseReason.ABORTED)
+                ended = self._release(msg, ReleaseReason.ABORTED)
                 log.info("kvconnect producer: consumer %s aborted %s: %s", msg.engine_id, ended, msg.reason)
                 return wire.Ack(live=ended)
         raise Refusal("unsupported", f"{type(msg).__name__} is not served here", "unsupported")
 
-    def _release(self, request_ids: Sequence[str], reason: ReleaseReason) -> tuple[str, ...]:
-        return tuple(rid for rid in request_ids if self.leases.release(rid, reason))
+    def _release(self, msg: wire.Done | wire.Abort, reason: ReleaseReason) -> tuple[str, ...]:
+        reader = (msg.engine_id, msg.rank)
+        return tuple(rid for rid in msg.request_ids if self.leases.release(rid, reason, reader, msg.readers))
+
+
+def combine_ranks(per_rank: Sequence[wire.TransferParams]) -> wire.TransferParams:
+    """One set of params for a request held by every TP rank of a producer, from each rank's own (rank order)."""
+    if not per_rank:
+        raise wire.WireError("no per-rank transfer params")
+    first = per_rank[0]
+    for r, p in enumerate(per_rank):
+        if (p.engine_id, p.request_id, p.block_ids, p.num_tokens) != (first.engine_id, first.request_id,
+                                                                       first.block_ids, first.num_tokens):
+            raise wire.WireError(f"rank {r}'s params name another engine, request or blocks than rank 0's")
+    ranks = tuple(wire.RankAddr(host=p.host, port=p.port, incarnation=p.incarnation) for p in per_rank)
+    return msgspec.structs.replace(first, lease_expiry=min(p.lease_expiry for p in per_rank), ranks=ranks if len(ranks) > 1 else ())

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import zmq
 
-from kvconnect import wire
+from kvconnect import compat, wire
 from kvconnect.errors import HandshakeError
 from kvconnect.sidechannel.addresses import is_ipv6, zmq_endpoint
 from kvconnect.sidechannel.auth import new_nonce, reply_mac, request_mac, resolve_secret
@@ -77,7 +77,7 @@ def open_metadata(reply: wire.HandshakeReply, endpoint: str, rank: int,
     if reply.compat.protocol_version != PROTOCOL_VERSION:
         raise _version_error(endpoint, reply.compat.protocol_version)
     if expect is not None:
-        wire.check_compat(expect, reply.compat)
+        compat.check_compat(expect, reply.compat)
     try:
         meta = wire.METADATA.decode(reply.payload)
     except WireError as exc:
@@ -236,6 +236,6 @@ def _open_reply(data: memoryview, endpoint: str, nonce: bytes, key: bytes | None
 
 
 def _version_error(endpoint: str, version: int) -> HandshakeError:
-    return wire.IncompatiblePeerError(
+    return compat.IncompatiblePeerError(
         f"incompatible peer at {endpoint} (protocol_version differs): ours {PROTOCOL_VERSION}, peer's {version}",
         (("protocol_version", PROTOCOL_VERSION, version),))

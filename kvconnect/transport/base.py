@@ -31,7 +31,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from kvconnect.errors import BlockRangeError, KVConnectError, LayoutError, TransferError
-from kvconnect.regions import BlockIds, RegionSet
+from kvconnect.regions import BlockIds, RegionSet, pair_descriptors
+from kvconnect.shards import PageSlices, slice_descriptors
 
 OPS = ("READ", "WRITE")
 RegionIndices = Sequence[int] | np.ndarray | None
@@ -60,9 +61,10 @@ class Transport(abc.ABC):
         """What a peer passes to `add_peer` to reach this transport (call after `register`)."""
 
     @abc.abstractmethod
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
         """Make a peer addressable by a new `peer_id`; an id already in use is a TransferError, and a
-        failed add leaves every other peer as it was."""
+        failed add leaves every other peer as it was. `slices` pairs byte ranges of each region's
+        blocks (a peer of another TP size); without it whole blocks pair and their sizes must match."""
 
     @abc.abstractmethod
     def remove_peer(self, peer_id: str) -> None:
@@ -115,11 +117,14 @@ class Transport(abc.ABC):
             raise TransferError(f"register regions before {what}")
         return self._regions
 
-    def _check_new_peer(self, peer_id: str, regions: RegionSet) -> None:
+    def _check_new_peer(self, peer_id: str, regions: RegionSet, slices: PageSlices | None) -> None:
         local = self._check_registered("adding peers")
         if peer_id in self._peers:
             raise TransferError(f"peer id {peer_id!r} is already in use")
-        check_peer_regions(local, regions)
+        if slices is None:
+            check_peer_regions(local, regions)
+        else:
+            check_slices(local, regions, slices)
 
     def _checked_post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds,
                       regions: RegionIndices) -> tuple[object, np.ndarray, np.ndarray, np.ndarray]:
@@ -176,6 +181,29 @@ def check_post(op: str, local: RegionSet, local_ids: BlockIds, remote: RegionSet
             raise BlockRangeError(f"{op} names {side} block {int(twice[0])} more than once as a destination")
     sel = np.arange(len(local)) if regions is None else np.asarray(regions, dtype=np.int64).reshape(-1)
     return sel, lids, rids
+
+
+def paired_descriptors(local: RegionSet, lids: np.ndarray, remote: RegionSet, rids: np.ndarray, sel: np.ndarray,
+                       slices: PageSlices | None) -> tuple[np.ndarray, np.ndarray]:
+    """Matched local and peer descriptors of a post: whole blocks, or the peer's slices of them."""
+    if slices is None:
+        return pair_descriptors(local, lids, remote, rids, sel)
+    return slice_descriptors(local, lids, remote, rids, slices, sel)
+
+
+def check_slices(local: RegionSet, remote: RegionSet, slices: PageSlices) -> None:
+    """Refuse slices that name a region either side lacks or a byte outside either side's block."""
+    if len(local) != len(remote):
+        raise LayoutError(f"local has {len(local)} regions, peer has {len(remote)}")
+    for k, (lo, ro, ln) in slices.items():
+        if not 0 <= k < len(local):
+            raise LayoutError(f"slices name region {k}, outside 0..{len(local) - 1}")
+        lo, ro, ln = (np.asarray(a, dtype=np.int64) for a in (lo, ro, ln))
+        if not (lo.shape == ro.shape == ln.shape) or (ln.size and (min(lo.min(), ro.min()) < 0 or ln.min() < 1)):
+            raise LayoutError(f"region {k}: malformed slices")
+        if ln.size and ((lo + ln).max() > local[k].block_bytes or (ro + ln).max() > remote[k].block_bytes):
+            raise LayoutError(f"region {k} ({local[k].label}): a slice runs past a block "
+                              f"({local[k].block_bytes} bytes here, {remote[k].block_bytes} on the peer)")
 
 
 def check_peer_regions(local: RegionSet, remote: RegionSet) -> None:

@@ -4,8 +4,8 @@ The engine runs in P2P-handshake mode: no metadata server, each engine serves it
 description on an RPC port. What a peer needs is that `host:port` (plus the protocol, checked at
 `add_peer`), a few bytes that travel inside kvconnect's handshake. Regions are registered once, as
 `RegionSet.registration()` merges them. A post pairs local and remote block descriptors with
-`pair_descriptors` (runs contiguous on both sides become one entry) and cuts them into batches of at
-most `max_batch_entries` entries.
+`pair_descriptors` (or, for a peer of another TP size, `slice_descriptors`; runs contiguous on both
+sides become one entry) and cuts them into batches of at most `max_batch_entries` entries.
 
 Why the batches are cut: over TCP a peer connection queues `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`
 entries (1024 by default); up to `MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER` more (1024) wait to be
@@ -56,12 +56,14 @@ import msgspec
 import numpy as np
 
 from kvconnect.errors import KVConnectError, LayoutError, TransferError
-from kvconnect.regions import BlockIds, MemoryKind, RegionSet, pair_descriptors
+from kvconnect.regions import BlockIds, MemoryKind, RegionSet
+from kvconnect.shards import PageSlices
 from kvconnect.transport.base import (
     RegionIndices,
     TransferState,
     Transport,
     mapped_errors,
+    paired_descriptors,
 )
 from kvconnect.threads import spawn
 from kvconnect.transport.options import check_transport_options
@@ -141,11 +143,13 @@ class _Xfer:
 class _Peer:
     """A peer: its session, regions, transfers not yet released, and the worker thread that runs them."""
 
-    __slots__ = ("session", "regions", "xfers", "jobs", "worker")
+    __slots__ = ("session", "regions", "slices", "xfers", "jobs", "worker")
 
-    def __init__(self, session: str, regions: RegionSet, jobs: queue.SimpleQueue, worker: threading.Thread):
+    def __init__(self, session: str, regions: RegionSet, slices: PageSlices | None, jobs: queue.SimpleQueue,
+                 worker: threading.Thread):
         self.session = session
         self.regions = regions
+        self.slices = slices
         self.xfers: set[_Xfer] = set()
         self.jobs = jobs
         self.worker = worker
@@ -213,10 +217,10 @@ class MooncakeTransport(Transport):
             self._check_registered("handing out metadata")
             return msgspec.msgpack.encode(_PeerInfo(session=self.session, protocol=self.protocol))
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
         """Make a peer addressable; nothing is sent until its first transfer opens the connection."""
         with self._lock:
-            self._check_new_peer(peer_id, regions)
+            self._check_new_peer(peer_id, regions, slices)
             info = _parse_metadata(peer_id, metadata)
             if info.protocol != self.protocol:
                 raise TransferError(f"peer {peer_id} runs Mooncake over {info.protocol}, this transport over "
@@ -226,7 +230,7 @@ class MooncakeTransport(Transport):
             # The worker holds its own reference to the engine, so the engine outlives any batch it runs.
             worker = spawn(_work, name=f"kvconnect-mooncake-{peer_id}",
                            args=(self._engine, jobs, session_lock, self.max_batch_entries))
-            self._peers[peer_id] = _Peer(info.session, regions, jobs, worker)
+            self._peers[peer_id] = _Peer(info.session, regions, slices, jobs, worker)
 
     def remove_peer(self, peer_id: str) -> None:
         """Forget a peer; its transfers are cancelled (see `cancel`). Does not wait for a running batch."""
@@ -244,7 +248,7 @@ class MooncakeTransport(Transport):
         """Queue a READ or WRITE of these blocks for the peer's worker; every id is checked first."""
         with self._lock:
             peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
-            local, remote = pair_descriptors(self._regions, lids, peer.regions, rids, sel)
+            local, remote = paired_descriptors(self._regions, lids, peer.regions, rids, sel, peer.slices)
             if local.shape[0] == 0:
                 return _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], 0, TransferState.DONE)
             xfer = _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], self.max_batch_entries,

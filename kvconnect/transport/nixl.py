@@ -42,13 +42,9 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect.errors import LayoutError, TransferError
-from kvconnect.regions import BlockIds, MemoryKind, RegionSet, pair_descriptors
-from kvconnect.transport.base import (
-    RegionIndices,
-    TransferState,
-    Transport,
-    mapped_errors,
-)
+from kvconnect.regions import BlockIds, MemoryKind, RegionSet
+from kvconnect.shards import PageSlices
+from kvconnect.transport.base import RegionIndices, TransferState, Transport, mapped_errors, paired_descriptors
 from kvconnect.threads import spawn
 
 log = logging.getLogger(__name__)
@@ -144,12 +140,13 @@ class _Xfer:
 
 
 class _Peer:
-    __slots__ = ("agent", "regions", "kind", "offsets", "dlist", "xfers")
+    __slots__ = ("agent", "regions", "kind", "slices", "offsets", "dlist", "xfers")
 
-    def __init__(self, agent: str, regions: RegionSet, kind: MemoryKind):
+    def __init__(self, agent: str, regions: RegionSet, kind: MemoryKind, slices: PageSlices | None):
         self.agent = agent
         self.regions = regions
         self.kind = kind
+        self.slices = slices
         self.offsets: np.ndarray | None = None
         self.dlist: object = None  # prepared list of every peer block, when within the budget
         self.xfers: set[_Xfer] = set()  # not yet released
@@ -243,14 +240,15 @@ class NixlTransport(Transport):
             self._check_registered("handing out metadata")
             return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet) -> None:
-        """Load a peer agent from its metadata and, within the budget, prepare its block list."""
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
+        """Load a peer agent and, within the budget, prepare its block list (not for a peer paired by
+        slices: the local list holds whole blocks, so its posts build descriptors for their ranges)."""
         with self._lock:
-            self._check_new_peer(peer_id, regions)
+            self._check_new_peer(peer_id, regions, slices)
             kind = _memory_kind(regions, f"peer {peer_id}")
-            peer = _Peer(self._load_agent(peer_id, metadata), regions, kind)
+            peer = _Peer(self._load_agent(peer_id, metadata), regions, kind, slices)
             try:
-                if sum(r.num_blocks for r in regions) <= self.prepared_rows:
+                if slices is None and sum(r.num_blocks for r in regions) <= self.prepared_rows:
                     rows, peer.offsets = _block_table(regions)
                     with _nixl(f"could not prepare peer {peer_id}'s blocks"):
                         peer.dlist = self._agent.prep_xfer_dlist(peer.agent, rows, kind.value)
@@ -311,7 +309,7 @@ class NixlTransport(Transport):
                     handle = self._agent.make_prepped_xfer(op, self._dlist, _indices(self._offsets, sel, lids),
                                                            peer.dlist, _indices(peer.offsets, sel, rids), b"")
                 else:
-                    local, remote = pair_descriptors(self._regions, lids, peer.regions, rids, sel)
+                    local, remote = paired_descriptors(self._regions, lids, peer.regions, rids, sel, peer.slices)
                     handle = self._agent.initialize_xfer(op, self._agent.get_xfer_descs(local, self._kind.value),
                                                          self._agent.get_xfer_descs(remote, peer.kind.value),
                                                          peer.agent, b"")

@@ -30,6 +30,7 @@ from kvconnect.integrations.vllm.pd_scheduler import PDScheduler
 from kvconnect.integrations.vllm.pd_worker import PDWorker
 from kvconnect.integrations.vllm.stats import KVConnectStats
 from kvconnect.integrations.vllm.tiers import tier_namespace
+from kvconnect.integrations.vllm.tp import layer_shards, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,12 +115,10 @@ class _PDConnector(_Facade):
         name = type(self).__name__
         config = read_extra(vllm_config, PDConfig, name, self.backend)
         our_role = kv_role(vllm_config, name)
-        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        if tp > 1:
-            # Transfer params name one side channel and one rank's blocks: with TP every decode rank
-            # would pull rank 0's shard. Refuse rather than move the wrong bytes.
-            raise ValueError(f"{name}: tensor_parallel_size={tp} is not supported yet; run one instance per "
-                             "device (tensor_parallel_size=1) and scale out with more instances")
+        try:
+            tp = tp_size(vllm_config)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
         groups = kv_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
@@ -127,9 +126,12 @@ class _PDConnector(_Facade):
             self.scheduler = PDScheduler(config, engine_id=engine_id, groups=groups,
                                          blocks_of=lambda rid: self._kv_cache_manager.get_block_ids(rid))
         else:
+            layout = _layout(vllm_config, kv_cache_config)
+            total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
             self.worker = PDWorker(config, engine_id=engine_id, role=our_role, backend=self.backend,
-                                   block_size=block_size, layout=_layout(vllm_config, kv_cache_config),
-                                   groups=groups.groups)
+                                   block_size=block_size, layout=layout, groups=groups.groups, rank=tp_rank(),
+                                   world_size=tp, shards_of=lambda caches: layer_shards(kv_cache_config, caches,
+                                                                                       total_heads, layout))
         self._groups = groups
 
     def on_new_request(self, request: Request) -> None:
@@ -175,6 +177,9 @@ class KVConnectOffload(_Facade):
         super().__init__(vllm_config, role, kv_cache_config)
         name = type(self).__name__
         config = read_extra(vllm_config, OffloadConfig, name)
+        if tp_size(vllm_config) > 1:
+            # Each rank holds its own heads: one content key would name a different shard on every rank.
+            raise ValueError(f"{name}: tensor_parallel_size > 1 is not supported by the offload tier yet")
         groups = kv_groups(kv_cache_config)
         if groups.prefill_backoff:
             # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching

