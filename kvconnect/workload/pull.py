@@ -149,7 +149,8 @@ def _builtins(params: Any) -> dict:
     return wire.transfer_params_to_builtins(params)
 
 
-def _recv(conn: Any, expect: str, proc: mp.Process) -> Any:
+def expect_reply(conn: Any, expect: str, proc: mp.Process) -> Any:
+    """The payload of a producer process's next reply, which must be `expect`; bounded by PIPE_TIMEOUT_S."""
     if not conn.poll(PIPE_TIMEOUT_S):
         raise RuntimeError(f"producer process sent nothing for {PIPE_TIMEOUT_S:.0f} s (exit code {proc.exitcode})")
     kind, payload = conn.recv()
@@ -191,7 +192,7 @@ class _Run:
             raw_gbps = _raw_baseline(self.spec, self.preset.bytes_per_request(self.spec.tokens), self.pipe, self.proc)
         else:
             self.pipe.send(("no-raw", None))
-        _recv(self.pipe, "ready", self.proc)
+        expect_reply(self.pipe, "ready", self.proc)
         self.consumer.register_kv_caches(self.caches)
         self.views = _byte_views(self.caches, self.consumer.regions)
         self.base = _base_rows(len(self.views), [v.shape[1] for v in self.views], self.spec.seed)
@@ -200,7 +201,7 @@ class _Run:
     def wave(self, members: list[tuple[int, str]], timed: bool) -> float:
         """Hold, pull and check one wave of requests; returns its pull seconds."""
         self.pipe.send(("hold", members))
-        params = _recv(self.pipe, "params", self.proc)
+        params = expect_reply(self.pipe, "params", self.proc)
         tables = _pick_blocks(self.rng, self.num_blocks, self.need, len(members), self.spec.block_table)
         started: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -223,7 +224,7 @@ class _Run:
         seconds = time.perf_counter() - t0
         self._check(members, tables)
         self.pipe.send(("drain", 30.0))
-        self.held_after = _recv(self.pipe, "drained", self.proc)
+        self.held_after = expect_reply(self.pipe, "drained", self.proc)
         return seconds
 
     def _finished(self, seconds: float) -> None:
@@ -281,7 +282,7 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
             members = [(r, f"req-{r}") for r in range(start, min(spec.requests, start + spec.concurrency))]
             pull_seconds += run.wave(members, timed=True)
         run.pipe.send(("stop", None))
-        _recv(run.pipe, "stopped", run.proc)
+        expect_reply(run.pipe, "stopped", run.proc)
     finally:
         run.close()
     return run.figures(pull_seconds, raw_gbps)
@@ -291,7 +292,7 @@ def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) ->
     from kvconnect.workload.raw import RawSide
 
     parent.send(("raw", nbytes))
-    remote = _recv(parent, "raw", proc)
+    remote = expect_reply(parent, "raw", proc)
     side = RawSide(spec.backend, nbytes, fill=False)
     try:
         return side.read_gbps(remote, repeat=max(3, spec.requests // spec.concurrency))

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-PIPE_TIMEOUT_S = 120.0
-
+from kvconnect.workload.pull import expect_reply
 
 @dataclass(frozen=True)
 class TPSpec:
@@ -92,15 +91,6 @@ def _producer_main(conn: Any, spec: TPSpec, num_blocks: int, rank: int) -> None:
         conn.send(("stopped", None))
 
 
-def _recv(conn: Any, expect: str) -> Any:
-    if not conn.poll(PIPE_TIMEOUT_S):
-        raise RuntimeError(f"a prefill rank sent nothing for {PIPE_TIMEOUT_S:.0f} s")
-    kind, payload = conn.recv()
-    if kind != expect:
-        raise RuntimeError(f"a prefill rank said {kind!r}, expected {expect!r}")
-    return payload
-
-
 def run_tp_pull(spec: TPSpec) -> dict[str, Any]:
     """Pull `spec.requests` requests from `prefill_tp` rank processes into `decode_tp` ranks; figures."""
     from kvconnect.presets import PRESETS
@@ -120,11 +110,11 @@ def run_tp_pull(spec: TPSpec) -> dict[str, Any]:
     seconds, backend_seconds, verified, failed = [], [], True, 0
     try:
         decoders += _decode_ranks(spec, num_blocks)
-        for pipe, _ in ranks:
-            _recv(pipe, "ready")
+        for pipe, proc in ranks:
+            expect_reply(pipe, "ready", proc)
         for req in range(spec.requests + 1):  # the first is a warm-up: handshakes are once per peer
             remote, local = rng.permutation(num_blocks)[:need], rng.permutation(num_blocks)[:need]
-            took, ok, right = _one_request(spec, [p for p, _ in ranks], decoders, f"req-{req}", remote, local)
+            took, ok, right = _one_request(spec, ranks, decoders, f"req-{req}", remote, local)
             failed += not ok
             verified &= right
             if req:
@@ -162,7 +152,7 @@ def _decode_ranks(spec: TPSpec, num_blocks: int) -> list:
     return out
 
 
-def _one_request(spec: TPSpec, pipes: list, decoders: list, rid: str, remote: np.ndarray,
+def _one_request(spec: TPSpec, ranks: list, decoders: list, rid: str, remote: np.ndarray,
                  local: np.ndarray) -> tuple[float, bool, bool]:
     """Hold on every prefill rank, pull into every decode rank; (seconds, loaded, bytes right and released)."""
     from kvconnect import wire
@@ -170,9 +160,9 @@ def _one_request(spec: TPSpec, pipes: list, decoders: list, rid: str, remote: np
     from kvconnect.presets import PRESETS
     from kvconnect.shards import owned
 
-    for pipe in pipes:
+    for pipe, _ in ranks:
         pipe.send(("hold", (rid, remote.tolist())))
-    params = combine_ranks([wire.transfer_params_from_builtins(_recv(p, "params")) for p in pipes])
+    params = combine_ranks([wire.transfer_params_from_builtins(expect_reply(p, "params", proc)) for p, proc in ranks])
     t0 = time.perf_counter()
     for c, _ in decoders:
         c.start_load(params, [local], handle=rid)
@@ -183,9 +173,9 @@ def _one_request(spec: TPSpec, pipes: list, decoders: list, rid: str, remote: np
         first, n = owned(PRESETS[spec.preset].kv_heads, spec.decode_tp, r)
         for i, t in enumerate(caches.values()):
             right &= bool(torch.equal(t[torch.from_numpy(local)], _pattern(spec, i, remote, first, n, t.shape[2])))
-    for pipe in pipes:
+    for pipe, _ in ranks:
         pipe.send(("drain", 30.0))
-    right &= sum(_recv(p, "drained") for p in pipes) == 0
+    right &= sum(expect_reply(p, "drained", proc) for p, proc in ranks) == 0
     return took, ok, right
 
 
