@@ -3,9 +3,9 @@
 vLLM shards attention KV by KV head (a rank of a TP size above the head count holds one head,
 replicated) and keeps an MLA latent whole on every rank. The split is described here, per layer,
 from the registered tensor and its group's spec, for the core to pair pages between TP sizes
-(`kvconnect.shards`). Layers whose split is not described here (Mamba, short conv and GDN states,
-whose conv state interleaves several sharded parts) move only between equal TP sizes: the
-handshake refuses other pairs naming both sizes.
+(`kvconnect.shards`). State layers (Mamba, short conv, GDN) get none: vLLM lays a hybrid model's
+attention and state pages in tensors the groups share, one region read two ways, and a region has
+one split. They move only between equal TP sizes; other pairs are refused naming both sizes.
 """
 
 from __future__ import annotations
