@@ -102,3 +102,45 @@ def test_pd_between_tp_sizes_serves_concurrent_requests(engines):
         if len(prompt) > 1:
             assert_tp_pages(dumps["a"], 2, dumps["b"], 1, p["remote_request_id"])
     wait_for(lambda: (s := read_stats(stats["a"])) and s.get("held_requests") == 0, 60, "prefill to release")
+
+
+# ---- the adapter's TP pieces, without an engine ----
+
+def test_pipeline_parallelism_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from kvconnect.integrations.vllm.tp import tp_size
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        tp_size(config)
+
+
+def test_params_name_every_prefill_rank_through_a_router():
+    from kvconnect import wire
+    from kvconnect.integrations.vllm.params import from_vllm, to_vllm
+
+    ranks = tuple(wire.RankAddr(host="10.0.0.5", port=5600 + r, incarnation=f"inc{r}") for r in range(2))
+    p = wire.TransferParams(engine_id="e", host="10.0.0.5", port=5600, request_id="r", block_ids=[[1, 2]],
+                            num_tokens=20, lease_expiry=1e9, incarnation="inc0", ranks=ranks)
+    d = to_vllm(p)
+    assert d["tp_size"] == 2 and d["remote_ranks"] == [["10.0.0.5", 5600, "inc0"], ["10.0.0.5", 5601, "inc1"]]
+    assert from_vllm(d) == p
+
+
+def test_attention_and_mla_layers_are_split_and_state_layers_are_not():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    from kvconnect.integrations.vllm.tp import _split
+    from kvconnect.shards import attention, replicated
+
+    full = FullAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    hnd = torch.zeros(8, 2, 16, 128)
+    assert _split(full, hnd, 4, "LBHNC") == attention(16, 2, 128 * 4, 4, heads_outer=True)
+    assert _split(full, torch.zeros(8, 16, 2, 128), 4, "LBNHC") == attention(16, 2, 512, 4, heads_outer=False)
+    assert _split(full, hnd, 4, "LBNHC") is None  # the tensor does not have the layout's shape: not described
+    mla = MLAAttentionSpec(16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    assert _split(mla, torch.zeros(8, 16, 576), 1, "LBHNC") == replicated(16 * 576 * 4)
+    mamba = MambaSpec(16, shapes=((3, 64), (4, 8, 16)), dtypes=(torch.float32, torch.float32))
+    assert _split(mamba, torch.zeros(8, 1, 1, 4096, dtype=torch.int8), 4, "LBHNC") is None
