@@ -147,7 +147,7 @@ def test_a_dead_prefill_rank_fails_the_load_within_its_deadline_and_frees_the_ot
     conn.start_load(params, [LOCAL[0]], handle="h", timeout_s=10.0)
     fin = wait_for(conn, ["h"], timeout=20.0)
     assert "h" in fin.failed, fin
-    assert time.monotonic() - t0 < 10.0 + 2.0
+    assert time.monotonic() - t0 < 10.0 + 5.0  # the load deadline, with room for a loaded host
     assert ranks[0].held_blocks(wait_s=15.0) == 0, "the live rank kept the request after the load failed"
 
 
