@@ -174,10 +174,20 @@ def coalesce(local: np.ndarray, remote: np.ndarray, length: np.ndarray) -> tuple
     """Merge byte ranges that follow each other on both sides into one."""
     order = np.argsort(local, kind="stable")
     local, remote, length = local[order], remote[order], length[order]
+    starts, sizes = _runs(local, remote, length)
+    return local[starts], remote[starts], sizes
+
+
+def _runs(local: np.ndarray, remote: np.ndarray, length: np.ndarray,
+          same: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Where runs of ranges that follow each other on both sides (in the order given) start, and the
+    bytes of each run; `same[i]` False keeps ranges i and i+1 apart (another device)."""
     joins = (local[:-1] + length[:-1] == local[1:]) & (remote[:-1] + length[:-1] == remote[1:])
+    if same is not None:
+        joins &= same
     starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    ends = np.append(starts[1:], local.size)
-    return local[starts], remote[starts], (local[ends - 1] + length[ends - 1]) - local[starts]
+    last = np.append(starts[1:], local.size) - 1
+    return starts, local[last] + length[last] - local[starts]
 
 
 def attention(tokens: int, heads: int, head_bytes: int, total_heads: int, heads_outer: bool) -> PageShards:
@@ -256,16 +266,12 @@ def slice_descriptors(
     if not parts_l:
         return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
     rows_l, rows_r = np.concatenate(parts_l), np.concatenate(parts_r)
-    ends_l, ends_r = rows_l[:-1, 0] + rows_l[:-1, 1], rows_r[:-1, 0] + rows_r[:-1, 1]
-    joins = (ends_l == rows_l[1:, 0]) & (ends_r == rows_r[1:, 0]) & (rows_l[:-1, 2] == rows_l[1:, 2]) \
-        & (rows_r[:-1, 2] == rows_r[1:, 2])
-    if not joins.any():
+    same = (rows_l[:-1, 2] == rows_l[1:, 2]) & (rows_r[:-1, 2] == rows_r[1:, 2])
+    starts, sizes = _runs(rows_l[:, 0], rows_r[:, 0], rows_l[:, 1], same)
+    if starts.size == rows_l.shape[0]:
         return rows_l, rows_r
-    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    last = np.append(starts[1:], rows_l.shape[0]) - 1
-    size = rows_l[last, 0] + rows_l[last, 1] - rows_l[starts, 0]
-    out_l, out_r = rows_l[starts].copy(), rows_r[starts].copy()
-    out_l[:, 1] = out_r[:, 1] = size
+    out_l, out_r = rows_l[starts], rows_r[starts]
+    out_l[:, 1] = out_r[:, 1] = sizes
     return out_l, out_r
 
 
