@@ -151,6 +151,33 @@ def test_a_dead_prefill_rank_fails_the_load_within_its_deadline_and_frees_the_ot
     assert ranks[0].held_blocks(wait_s=15.0) == 0, "the live rank kept the request after the load failed"
 
 
+def test_a_stalled_prefill_rank_fails_only_its_load_within_the_deadline_and_leaks_nothing(producer_processes, made):
+    from kvconnect import wire
+    from kvconnect.faults import stalled
+
+    nixl = lambda *a, **kw: producer_processes(*a, backend="nixl", **kw)  # noqa: E731
+    ranks = start_producer_ranks(nixl, "tp-hnd-4", 2, lease_s=5.0)
+    other = nixl("tp-hnd-4", NUM_BLOCKS, PRODUCER_SEED, engine_id="prefill-other")  # a healthy TP-1 prefill
+    stuck = hold_everywhere(ranks, "req-stuck", "tp-hnd-4")
+    fine = other.hold("req-fine", REMOTE, 100)
+    (conn, caches), = decode_ranks("nixl", "tp-hnd-4", 1, made)
+    elsewhere = [50, 51, 52, 53, 54, 55, 56]
+    with stalled(ranks[1].pid):
+        t0 = time.monotonic()
+        conn.start_load(stuck, [LOCAL[0]], handle="stuck", timeout_s=4.0)  # queued first
+        conn.start_load(fine, [elsewhere], handle="fine")
+        assert wait_for(conn, ["fine"]).loaded == ["fine"], "a healthy prefill's load waited for a stalled rank"
+        got = _pages(caches, elsewhere)
+        want = _pages(tp_caches("tp-hnd-4", NUM_BLOCKS, PRODUCER_SEED, tp=1)[0], REMOTE[0])
+        assert all(np.array_equal(got[name], want[name]) for name in want)
+        fin = wait_for(conn, ["stuck"], timeout=4.0 + 5.0 + 5.0)
+        assert "stuck" in fin.failed and time.monotonic() - t0 < 4.0 + 5.0, fin
+        assert fin.invalid_block_ids == set(LOCAL[0])
+    assert wire.checked_params(stuck).tp_size == 2
+    for p in (*ranks, other):  # resumed: the stalled rank's lease expires, the others were released
+        assert p.held_blocks(wait_s=15.0) == 0
+
+
 # ---- the mapping itself, without processes ----
 
 def test_rank_plan_counts_the_readers_of_every_prefill_rank_and_releases_unread_ones():
