@@ -112,8 +112,8 @@ def test_pipeline_parallelism_is_refused_by_name():
     from kvconnect.integrations.vllm.tp import tp_size
 
     config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        tp_size(config)
+    with pytest.raises(ValueError, match="KVConnectNixl: pipeline_parallel_size"):
+        tp_size(config, "KVConnectNixl")
 
 
 def test_params_name_every_prefill_rank_through_a_router():

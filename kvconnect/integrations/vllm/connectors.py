@@ -115,10 +115,7 @@ class _PDConnector(_Facade):
         name = type(self).__name__
         config = read_extra(vllm_config, PDConfig, name, self.backend)
         our_role = kv_role(vllm_config, name)
-        try:
-            tp = tp_size(vllm_config)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        tp = tp_size(vllm_config, name)
         groups = kv_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
@@ -177,7 +174,8 @@ class KVConnectOffload(_Facade):
         super().__init__(vllm_config, role, kv_cache_config)
         name = type(self).__name__
         config = read_extra(vllm_config, OffloadConfig, name)
-        if tp_size(vllm_config) > 1:
+        tp = tp_size(vllm_config, name)
+        if tp > 1:
             # Each rank holds its own heads: one content key would name a different shard on every rank.
             raise ValueError(f"{name}: tensor_parallel_size > 1 is not supported by the offload tier yet")
         groups = kv_groups(kv_cache_config)

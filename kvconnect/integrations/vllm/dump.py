@@ -3,9 +3,9 @@
 With the variable set, a prefill worker writes the pages of every request it holds, right after the
 forward pass that computed them, and a decode worker writes the pages of every load it reports done,
 before vLLM reads them: `{dir}/{held|loaded}-{producer request id}[-rank{r}].npz` (the rank with
-tensor parallelism), one `(blocks, page bytes)` uint8 array per group and layer. Comparing the two files is a byte check of the whole path, for
-models whose greedy tokens are too noisy to prove a transfer right (random hybrid models). Without
-the variable nothing here runs.
+tensor parallelism), one `(blocks, page bytes)` uint8 array per group and layer. Comparing the two
+files is a byte check of the whole path, for models whose greedy tokens are too noisy to prove a
+transfer right (random hybrid models). Without the variable nothing here runs.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class PDScheduler:
         self.groups = groups
         self._blocks_of = blocks_of
         self._peer: KVConnectHandshake | None = None
-        self._ranks: list[KVConnectHandshake] = []
+        self._ranks: tuple[wire.RankAddr, ...] = ()  # every TP rank's side channel, when there are several
         self._meta = KVConnectMeta()
         self._prefilling: dict[str, Request] = {}  # do_remote_decode requests not yet held
         self._held: dict[str, tuple[list[list[int]], int, float]] = {}  # ids, tokens, hold time
@@ -163,18 +163,19 @@ class PDScheduler:
         ids, ntok, t0 = held
         self._sending[rid] = sum(len(g) for g in ids)
         self._counters["handed_out"] += 1
-        ranks = tuple(wire.RankAddr(host=r.host, port=r.port, incarnation=r.incarnation) for r in self._ranks)
         p = wire.TransferParams(engine_id=self._peer.engine_id, host=self._peer.host, port=self._peer.port,
                                 request_id=rid, block_ids=ids, num_tokens=ntok,
                                 lease_expiry=t0 + self.config.lease_s, incarnation=self._peer.incarnation,
-                                ranks=ranks if len(ranks) > 1 else ())
+                                ranks=self._ranks)
         return True, to_vllm(p)
 
     def set_handshake(self, metadata: dict[int, KVConnectHandshake]) -> None:
         """The workers' side channels, one per TP rank, which transfer params point decode instances at."""
         if 0 in metadata:
             self._peer = metadata[0]
-            self._ranks = [metadata[r] for r in sorted(metadata)]
+            ranks = tuple(wire.RankAddr(host=m.host, port=m.port, incarnation=m.incarnation)
+                          for _, m in sorted(metadata.items()))
+            self._ranks = ranks if len(ranks) > 1 else ()
 
     # ---- both ----
 

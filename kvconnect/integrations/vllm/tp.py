@@ -21,11 +21,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def tp_size(vllm_config: VllmConfig) -> int:
-    """The engine's tensor-parallel size; ValueError for pipeline parallelism, which kvconnect does not map."""
+def tp_size(vllm_config: VllmConfig, connector: str) -> int:
+    """The engine's tensor-parallel size; ValueError naming `connector` for pipeline parallelism, which
+    kvconnect does not map."""
     parallel = vllm_config.parallel_config
     if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported by kvconnect's P/D connectors")
+        raise ValueError(f"{connector}: pipeline_parallel_size > 1 is not supported by kvconnect's connectors")
     return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
