@@ -32,7 +32,12 @@ def engines(request, tiny_llama, tmp_path_factory):
     stats = {n: d / f"{n}.json" for n in ("a", "b")}
 
     def extra(n: str) -> dict:
-        return {"stats_path": str(stats[n]), "load_timeout_s": 60.0}
+        # The lease covers the hand-off from prefill to decode, before decode can heartbeat it. On this
+        # 2-core host a TP-2 engine that holds blocks steps without pause until they are released, and
+        # with another job running it starved the test's next call past a 30 s lease (prefill held,
+        # decode saw the request just after the expiry): the hand-off, not the transfer, took that long.
+        # Side-channel connects get the same room as the other e2e decodes (a busy host answers late).
+        return {"stats_path": str(stats[n]), "load_timeout_s": 60.0, "lease_s": 300.0, "handshake_timeout_s": 15.0}
 
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("a")),

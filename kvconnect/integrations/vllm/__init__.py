@@ -13,12 +13,32 @@ groups), `stats` (connector stats and stats files).
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 from kvconnect.integrations import CONNECTOR_NAMES
 from kvconnect.integrations.vllm.connectors import KVConnectMooncake, KVConnectNixl, KVConnectOffload
 
 __all__ = ["KVConnectMooncake", "KVConnectNixl", "KVConnectOffload", "register"]
+
+
+def _log_to_stderr(level: str | None) -> None:
+    """KVCONNECT_LOG_LEVEL=INFO (or DEBUG): kvconnect's own lines, timestamped, in every engine process."""
+    if not level:
+        return
+    logger = logging.getLogger("kvconnect")
+    if any(getattr(h, "_kvconnect", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler._kvconnect = True
+    handler.setFormatter(logging.Formatter("%(asctime)s kvconnect[%(process)d] %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+_log_to_stderr(os.environ.get("KVCONNECT_LOG_LEVEL"))
 
 _registered = False
 _register_lock = threading.Lock()
