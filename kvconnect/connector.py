@@ -21,7 +21,9 @@ from kvconnect.errors import KVConnectError
 from kvconnect.layout import KVCacheLayout
 from kvconnect.pd.consumer import Consumer, LoadFailure
 from kvconnect.pd.keeper import LeaseKeeper
+from kvconnect.pd.offers import Offers, PrefillAddr
 from kvconnect.pd.producer import Producer
+from kvconnect.pd.pusher import Pusher
 from kvconnect.regions import KVGroup, RegionSet, resolve_groups
 from kvconnect.shards import PageShards, Segment, check_page, global_bytes
 from kvconnect.sidechannel.addresses import check_bind, is_wildcard
@@ -61,6 +63,8 @@ class ConnectorConfig:
     # KV-cache groups by layer name (hybrid models); None means one group of every registered layer.
     groups: Sequence[KVGroup] | None = None
     transport_options: dict[str, Any] = field(default_factory=dict)
+    # Push mode: decode offers its blocks and prefill writes them (both sides built whatever the role).
+    push: bool = False
     group_regions: None = None  # replaced by `groups`; kept only to say so
 
     def __post_init__(self) -> None:
@@ -98,6 +102,8 @@ class ConnectorConfig:
         if self.shards is not None and not all(isinstance(v, tuple) and v and all(isinstance(x, Segment) for x in v)
                                                for v in self.shards.values()):
             raise KVConnectError("shards must map layer names to non-empty tuples of kvconnect.shards.Segment")
+        if not isinstance(self.push, bool):
+            raise KVConnectError(f"push must be True or False, got {self.push!r}")
         if self.groups is not None and (not self.groups or not all(isinstance(g, KVGroup) for g in self.groups)):
             raise KVConnectError("groups must be a non-empty list of KVGroup")
         check_transport_options(self.backend, self.transport_options)
@@ -109,13 +115,16 @@ class Finished:
 
     `sending`: producer requests whose blocks are free again; `loaded`: loads (by handle) whose every
     byte landed; `failed`: loads that failed, each with its LoadFailure (stage and reason);
-    `invalid_block_ids`: the local blocks of the failed loads.
+    `invalid_block_ids`: the local blocks of the failed loads. In push mode a decode's pushes are
+    reported as loads (loaded or failed) and a prefill's in `sending` once they ended, failures also
+    in `push_failed`.
     """
 
     sending: list[str] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     failed: dict[str, LoadFailure] = field(default_factory=dict)
     invalid_block_ids: set[int] = field(default_factory=set)
+    push_failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def recving(self) -> list[str]:
@@ -143,6 +152,8 @@ class KVConnector:
         self.metadata: wire.EngineMetadata | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        self.pusher: Pusher | None = None
+        self.offers: Offers | None = None
         self._keeper: LeaseKeeper | None = None
 
     # ---- set-up ----
@@ -165,16 +176,21 @@ class KVConnector:
         transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
         self.metadata = self._metadata(transport, regions, _dtype_name(kv_caches))
-        if cfg.role in ("producer", "both"):
-            self.producer = unpinned(lambda: Producer(
-                metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
-                advertise_host=cfg.advertise_host, secret=cfg.secret, allow_wildcard=cfg.allow_wildcard,
-                lease_s=cfg.lease_s))
-        if cfg.role in ("consumer", "both"):
+        if cfg.role in ("consumer", "both") or cfg.push:
             self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
                                      expect=self.metadata.compat, group_regions=group_regions, rank=cfg.rank,
                                      world_size=cfg.world_size, secret=cfg.secret, load_timeout_s=cfg.load_timeout_s,
                                      handshake_timeout_s=cfg.handshake_timeout_s)
+        if cfg.push:
+            self.pusher = Pusher(self.consumer, wait_s=cfg.lease_s)
+        if cfg.role in ("producer", "both") or cfg.push:
+            self.producer = unpinned(lambda: Producer(
+                metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
+                advertise_host=cfg.advertise_host, secret=cfg.secret, allow_wildcard=cfg.allow_wildcard,
+                lease_s=cfg.lease_s, on_offer=self.pusher.offer if self.pusher else None))
+        if cfg.push:
+            self.offers = Offers(self.producer, engine_id=cfg.engine_id, rank=cfg.rank, world_size=cfg.world_size,
+                                 secret=cfg.secret, timeout_s=cfg.handshake_timeout_s)
         return regions
 
     def _register(self, regions: RegionSet) -> Transport:
@@ -185,8 +201,9 @@ class KVConnector:
     def _transport_options(self) -> dict[str, Any]:
         cfg = self.config
         options = dict(cfg.transport_options)
-        if cfg.backend == "nixl" and cfg.role == "consumer":
-            # A consumer only initiates and its peer workers poll: nothing else needs progress here.
+        if cfg.backend == "nixl" and cfg.role == "consumer" and not cfg.push:
+            # A pull consumer only initiates and its peer workers poll: nothing else needs progress here
+            # (a push decode is written into, which UCX over TCP only completes with progress on this side).
             options.setdefault("progress_interval_s", 0.0)
         if cfg.backend == "mooncake" and cfg.role in ("producer", "both"):
             # Mooncake advertises the host it was started on: peers on other hosts must be able to reach
@@ -261,21 +278,49 @@ class KVConnector:
                                        heartbeat_s=cfg.heartbeat_s, timeout_s=consumer.handshake_timeout_s)
         self._keeper.track(params)
 
+    def expect_push(self, key: str, prefill: tuple[str, int], local_block_ids: Sequence[Sequence[int]],
+                    num_tokens: int, *, handle: str, timeout_s: float | None = None) -> None:
+        """Push-mode decode: offer these blocks to the prefill instance at (host, port) for the request the
+        router named `key`; reported in `get_finished()` as a load under `handle` once written or failed."""
+        if self.offers is None:
+            raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
+        self.offers.expect(key, PrefillAddr(*prefill), local_block_ids, num_tokens, handle=handle,
+                      timeout_s=timeout_s or self.config.load_timeout_s)
+
+    def push(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None) -> None:
+        """Push-mode prefill: this request's KV is computed into these blocks; write it into the blocks the
+        decode offers for `key` (now, or once offered). `handle` ends up in `get_finished().sending`."""
+        if self.pusher is None:
+            raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
+        self.pusher.ready(key, [self.regions.validate(ids, sel) for ids, sel in zip(block_ids, self.group_regions)],
+                          handle=handle, timeout_s=timeout_s)
+
     def abort(self, request_id: str) -> None:
-        """Give up on a request on either side: a held lease is released, a pending load fails."""
+        """Give up on a request on either side: a held lease is released, a pending load or push fails."""
         if self.producer is not None:
             self.producer.abort(request_id)
         if self.consumer is not None:
             self.consumer.abort(request_id)
+        if self.pusher is not None:
+            self.pusher.abort(request_id)
 
     def get_finished(self) -> Finished:
         """Requests whose blocks were released (sending) and loads that finished or failed."""
         out = Finished()
         if self.producer is not None:
-            out.sending = [r.request_id for r in self.producer.poll()]
+            releases = self.producer.poll()
+            if self.offers is not None:
+                releases = self.offers.take(releases, out.loaded, out.failed, out.invalid_block_ids)
+            out.sending = [r.request_id for r in releases]
         if self.consumer is not None:
             res = self.consumer.poll()
-            out.loaded, out.failed, out.invalid_block_ids = res.loaded, res.failed, res.invalid_block_ids
+            if self.pusher is not None:
+                pushes = self.pusher.take(res)
+                out.sending += pushes.pushed + list(pushes.failed)
+                out.push_failed = pushes.failed
+            out.loaded += res.loaded
+            out.failed.update(res.failed)
+            out.invalid_block_ids |= res.invalid_block_ids
         return out
 
     @property
@@ -289,6 +334,8 @@ class KVConnector:
         """Stop the side channel and the consumer, then close the transport in order."""
         if self._keeper is not None:
             self._keeper.close()
+        if self.offers is not None:
+            self.offers.close()
         if self.consumer is not None:
             self.consumer.close()
         if self.producer is not None:

@@ -23,7 +23,8 @@ from kvconnect.errors import KVConnectError
 #   3 - tensor parallelism: regions describe their split across ranks, transfer params name every
 #       rank of the producer, notices say how many consumer ranks read a lease; page bytes in the
 #       compatibility check are those of TP 1.
-PROTOCOL_VERSION = 3
+#   4 - push mode: a decode instance offers its blocks to a prefill instance (`Offer`).
+PROTOCOL_VERSION = 4
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -271,8 +272,16 @@ class Heartbeat(_Notice, tag="heartbeat"):
     request_ids: _RequestIds
 
 
-ControlMessage = Union[Claim, Done, Abort, Heartbeat]
-RequestBody = Union[HandshakeRequest, Claim, Done, Abort, Heartbeat]
+class Offer(_Notice, tag="offer"):
+    """Push mode: a decode rank allocated blocks for the prefill of `key` and holds them under a lease
+    (`params` name them, as a producer's params would); the prefill writes into them and says done."""
+
+    key: _RequestId
+    params: TransferParams
+
+
+ControlMessage = Union[Claim, Done, Abort, Heartbeat, Offer]
+RequestBody = Union[HandshakeRequest, Claim, Done, Abort, Heartbeat, Offer]
 
 
 class RequestEnvelope(Struct, **_Config):
@@ -304,7 +313,7 @@ class ClaimReply(Struct, tag="claim_reply", **_Tagged):
 
 
 class Ack(Struct, tag="ack", **_Tagged):
-    """The answer to done, abort and heartbeat: which of the named requests the producer still held."""
+    """The answer to done, abort, heartbeat and offer: which of the named requests (keys) it holds."""
 
     live: _RequestIds = ()
 
@@ -325,7 +334,7 @@ ReplyBody = Union[HandshakeReply, ClaimReply, Ack, HandshakeRejection]
 
 # The one answer type each request gets (a rejection aside).
 REPLY_TYPE: dict[type, type] = {HandshakeRequest: HandshakeReply, Claim: ClaimReply, Done: Ack, Abort: Ack,
-                                Heartbeat: Ack}
+                                Heartbeat: Ack, Offer: Ack}
 
 
 class ReplyEnvelope(Struct, **_Config):

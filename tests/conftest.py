@@ -90,7 +90,7 @@ class ProducerProcess:
 
     def __init__(self, kind: str, num_blocks: int, seed: int, *, engine_id: str = "prefill-0", port: int = 0,
                  lease_s: float = 30.0, secret: str | None = None, backend: str = "nixl",
-                 topology: Topology | None = None, rank: int = 0, world_size: int = 1):
+                 topology: Topology | None = None, rank: int = 0, world_size: int = 1, push: bool = False):
         topo = topology or Topology.from_env()
         self.kind, self.num_blocks, self.seed, self.topology = kind, num_blocks, seed, topo
         token = secrets.token_hex(16)
@@ -110,7 +110,7 @@ class ProducerProcess:
                 kind=kind, num_blocks=num_blocks, seed=seed, engine_id=engine_id, port=port, lease_s=lease_s,
                 secret=secret if secret is not None else os.environ.get("KVCONNECT_SECRET") or None,
                 backend=backend, host=topo.producer_host, device=topo.producer_device, env=forwarded_env(),
-                rank=rank, world_size=world_size))
+                rank=rank, world_size=world_size, push=push))
             ready = self.channel.recv(self.setup_timeout_s, "the producer's Ready")
             if isinstance(ready, Answer) and ready.error:
                 raise RuntimeError(f"producer ({' '.join(self.command)}) failed: {ready.error}")

@@ -156,6 +156,7 @@ class Setup(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     env: dict[str, str]
     rank: int = 0
     world_size: int = 1
+    push: bool = False
 
 
 class Ready(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -184,7 +185,8 @@ class Answer(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 Frame = Union[Hello, Setup, Ready, Command, Answer]
 
 ANSWER_TYPES: dict[str, Any] = {"hold": dict[str, Any], "abort": bool, "held": int,
-                                "releases": list[tuple[str, str]]}
+                                "releases": list[tuple[str, str]], "push": type(None),
+                                "pushes": list[tuple[str, str]]}
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Frame).decode
@@ -292,7 +294,7 @@ def serve(channel: Channel, setup: Setup) -> None:
     connector = KVConnector(ConnectorConfig(
         role="producer", engine_id=setup.engine_id, host=setup.host, port=setup.port, lease_s=setup.lease_s,
         secret=setup.secret, groups=groups, backend=setup.backend, rank=setup.rank, world_size=setup.world_size,
-        shards=shards))
+        shards=shards, push=setup.push))
     try:
         connector.register_kv_caches(caches)
         host, port = connector.side_channel
@@ -304,9 +306,14 @@ def serve(channel: Channel, setup: Setup) -> None:
 
 def _command_loop(channel: Channel, connector: KVConnector) -> None:
     releases: list[tuple[str, str]] = []
+    pushes: list[tuple[str, str]] = []  # (handle, "" when every byte landed, else why it failed)
 
     def drain() -> None:
-        releases.extend((r.request_id, r.reason.value) for r in connector.producer.poll())
+        if connector.pusher is None:
+            releases.extend((r.request_id, r.reason.value) for r in connector.producer.poll())
+            return
+        fin = connector.get_finished()
+        pushes.extend((h, fin.push_failed.get(h, "")) for h in fin.sending)
 
     def held(wait_s: float) -> int:  # wait (bounded) until no blocks are held, then report the count
         deadline = time.monotonic() + wait_s
@@ -326,6 +333,8 @@ def _command_loop(channel: Channel, connector: KVConnector) -> None:
         "abort": lambda rid: connector.producer.abort(rid),
         "held": held,
         "releases": releases_so_far,
+        "push": lambda key, block_ids: connector.push(key, block_ids, handle=key),
+        "pushes": lambda: (drain(), list(pushes))[1],
     }
     while True:
         if not channel.readable(0.01):

@@ -73,6 +73,9 @@ class FakeInstance:
         self.gate.set()
         self.in_flight = 0
         self.disconnected = 0
+        self.kv_mode = "push"  # what it answers a router asking who it is (kvconnect_identify)
+        self.prefill_gate = threading.Event()  # a push-mode prefill half answers only once set
+        self.prefill_gate.set()
         routes = [Route("/health", self.health, methods=["GET"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/completions", self.generate, methods=["POST"]),
@@ -102,6 +105,16 @@ class FakeInstance:
         if self.mode == "hang":
             await asyncio.sleep(60)
         params = body.get("kv_transfer_params") or {}
+        if params.get("kvconnect_identify"):
+            return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": {
+                "remote_engine_id": self.name, "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1,
+                "mode": self.kv_mode}})
+        if params.get("push_key") and params.get("do_remote_decode"):  # push mode's prefill half
+            for _ in range(3000):
+                if self.prefill_gate.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            return JSONResponse({"id": "p", "choices": [{"text": "x", "finish_reason": "length"}]})
         if params.get("do_remote_decode"):  # prefill half
             if self.mode == "noparams":
                 return JSONResponse({"choices": [{"text": "x"}]})
@@ -558,3 +571,46 @@ def test_the_router_logs_state_changes_and_failed_requests(fakes, router, caplog
     wait_until(lambda: any("is up again" in m for m in caplog.messages), what="up logged")
     text = "\n".join(caplog.messages)
     assert f"prefill instances {p.url}" in text and "failed with 502" in text and p.url in text
+
+
+# ---------------------------------------------------------------------------------------------
+# push mode
+
+
+def test_push_mode_sends_both_halves_at_once_joined_by_one_key(fakes, router):
+    p, d = fakes("p0"), fakes("d0")
+    r = router([p], [d], mode="push")
+    p.prefill_gate.clear()  # the prefill is still computing when decode gets its half
+    result = {}
+    t = threading.Thread(target=lambda: result.update(resp=post(r.url, max_tokens=9)))
+    t.start()
+    wait_until(lambda: len(d.requests) == 1, what="decode to get its half before prefill answered")
+    p.prefill_gate.set()
+    t.join(30)
+    assert result["resp"].status_code == 200, result["resp"].text
+    (_, ident, _), (_, pre, _) = p.requests
+    assert ident["kv_transfer_params"] == {"kvconnect_identify": True} and ident["max_tokens"] == 1
+    key = pre["kv_transfer_params"]["push_key"]
+    assert pre["kv_transfer_params"] == {"do_remote_decode": True, "push_key": key} and pre["max_tokens"] == 1
+    (_, dec, _), = d.requests
+    assert dec["max_tokens"] == 9
+    assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "push_key": key, "remote_engine_id": "p0",
+                                         "remote_host": "10.0.0.1", "remote_port": 5600}
+    # The prefill's address is asked once, then kept.
+    assert post(r.url).status_code == 200
+    assert [b["kv_transfer_params"].get("kvconnect_identify") for _, b, _ in p.requests].count(True) == 1
+    assert len({b["kv_transfer_params"].get("push_key") for _, b, _ in p.requests[1:]}) == 2
+
+
+def test_push_mode_refuses_a_prefill_that_does_not_run_push(fakes, router):
+    p, d = fakes("p0"), fakes("d0")
+    p.kv_mode = "pull"
+    r = router([p], [d], mode="push")
+    resp = post(r.url)
+    assert resp.status_code == 502 and "cannot serve push mode" in resp.json()["error"]["message"]
+    assert not d.requests
+
+
+def test_proxy_config_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode must be pull or push"):
+        ProxyConfig(prefill=["http://a:1"], decode=["http://b:1"], mode="both")

@@ -4,7 +4,8 @@ Run by the e2e tests and compare.py in a new session (so the whole process group
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
 {"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true} (generate,
-aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
+aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps; each
+output says when its request was added and when its first token came, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
 Replies carry "ok" and results.
 """
 
@@ -50,6 +51,8 @@ def run_with_aborts(llm, cmd: dict) -> dict:
     external: dict[str, str] = {}
     doomed = {ids[i] for i in cmd.get("abort", [])}
     done: dict[str, dict] = {}
+    added_at: dict[str, float] = {}  # unix times, comparable across the engines of one host
+    first_at: dict[str, float] = {}
     t0 = time.perf_counter()
     deadline = t0 + cmd.get("timeout_s", 300)
     steps = 0
@@ -58,17 +61,22 @@ def run_with_aborts(llm, cmd: dict) -> dict:
             rid, tokens, p = waiting.pop(0)
             internal[rid] = engine.add_request(rid, {"prompt_token_ids": tokens}, sampling(cmd, p))
             external[internal[rid]] = rid
+            added_at[rid] = time.time()
         steps += 1
         now = time.perf_counter() - t0
         due = [r for r in doomed if r in internal and r not in done and "abort_after_s" in cmd and now >= cmd["abort_after_s"]]
         for out in engine.step():
             out.request_id = external.get(out.request_id, out.request_id)
+            if out.outputs[0].token_ids and out.request_id not in first_at:
+                first_at[out.request_id] = time.time()
             if out.request_id in doomed and cmd.get("abort_at_first_token") and out.outputs[0].token_ids:
                 due.append(out.request_id)
             elif out.finished:
                 done[out.request_id] = {"token_ids": list(out.outputs[0].token_ids),
                                         "finish_reason": out.outputs[0].finish_reason,
-                                        "logprobs": top_logprobs(out.outputs[0])}
+                                        "logprobs": top_logprobs(out.outputs[0]),
+                                        "added_at": added_at.get(out.request_id),
+                                        "first_token_at": first_at.get(out.request_id)}
         if due:
             engine.abort_request(sorted({internal[r] for r in due}), internal=True)
             for r in due:
@@ -109,7 +117,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 res = llm.generate([{"prompt_token_ids": ids} for ids in prompts], sps, use_tqdm=False)
                 wall = time.perf_counter() - t0
-                reply = {"ok": True, "wall_s": wall, "outputs": [
+                reply = {"ok": True, "wall_s": wall, "finished_at": time.time(), "outputs": [
                     {"token_ids": list(r.outputs[0].token_ids), "finish_reason": r.outputs[0].finish_reason,
                      "kv_transfer_params": r.kv_transfer_params, "logprobs": top_logprobs(r.outputs[0])}
                     for r in res]}

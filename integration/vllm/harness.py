@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -280,3 +281,41 @@ def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> N
         want, got = before[key], after[key]
         # Decode may already hold a prefix (fewer local blocks): its blocks are the suffix of prefill's.
         assert got.shape[0] <= want.shape[0] and np.array_equal(got, want[want.shape[0] - got.shape[0]:]), key
+
+
+# ---- push mode: what a router does, from the test process ----
+
+def where(P: Engine) -> dict:
+    """What a router learns from a prefill instance before pushing from it."""
+    out = P.generate([[0]], max_tokens=1, params=[{"kvconnect_identify": True}])["outputs"][0]
+    params = out["kv_transfer_params"]
+    assert params["mode"] == "push" and params["tp_size"] == 1, params
+    return params
+
+
+def pushed(P: Engine, D: Engine, prompts, max_tokens: int, *, decode_first: bool = True, prefill_after_s: float = 0.5,
+           **decode_kw):
+    """Send the prompts to decode and prefill at once, as a push-mode router does; decode's outputs and the keys."""
+    at = where(P)
+    keys = [uuid.uuid4().hex for _ in prompts]
+    dparams = [{"do_remote_prefill": True, "push_key": k, "remote_host": at["remote_host"],
+                "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]} for k in keys]
+    result: dict = {}
+
+    def decode() -> None:
+        try:
+            result["decode"] = D.run(prompts, max_tokens=max_tokens, params=dparams, **decode_kw)
+        except BaseException as exc:  # raised in the test's thread below
+            result["error"] = exc
+
+    t = threading.Thread(target=decode)
+    if decode_first:
+        t.start()
+        time.sleep(prefill_after_s)
+    pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True, "push_key": k} for k in keys])
+    if not decode_first:
+        t.start()
+    t.join(600)
+    assert "error" not in result, result.get("error")
+    assert all(o["kv_transfer_params"] is None for o in pre["outputs"]), "a push prefill hands out no params"
+    return result["decode"]["outputs"], keys

@@ -16,7 +16,17 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Engine, assert_close, assert_pages_moved, kv_config, make_tiny, prompts_of, read_stats, wait_for
+from harness import (
+    Engine,
+    assert_close,
+    assert_pages_moved,
+    kv_config,
+    make_tiny,
+    prompts_of,
+    pushed,
+    read_stats,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -50,10 +60,12 @@ def hybrid_pd(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"{family}-{name}")
     model = make_tiny(family, d / family)
     pstats, held, loaded = d / "prefill.json", d / "held", d / "loaded"
-    P = Engine(model, kv=kv_config(name, "kv_both", kv_connector_extra_config={"stats_path": str(pstats)}),
+    # mode "push": these instances also serve push-mode requests (pull ones as before).
+    P = Engine(model, kv=kv_config(name, "kv_both", kv_connector_extra_config={"stats_path": str(pstats),
+                                                                               "mode": "push"}),
                core="nobind", name=f"{family}-{name}-prefill", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(held)})
     D = Engine(model, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail",
-                                   kv_connector_extra_config={"load_timeout_s": 60.0}),
+                                   kv_connector_extra_config={"load_timeout_s": 60.0, "mode": "push"}),
                core="nobind", name=f"{family}-{name}-decode", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(loaded)})
     try:
         P.wait_ready()
@@ -98,3 +110,17 @@ def test_hybrid_pd_eight_concurrent_requests(hybrid_pd):
         if TOKENS_CHECKED_CONCURRENT.get(family, True) and len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
             assert_close(out, ref, f"{name}, concurrent prompt of {len(prompt)} tokens", LOGPROBS)
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
+
+
+def test_hybrid_push_moves_every_group_and_gives_a_plain_runs_tokens(hybrid_pd):
+    """Push mode (decode offers, prefill writes) on the same engines: every group's pages, tokens as in pull."""
+    family, name, P, D, pstats, held, loaded, groups = hybrid_pd
+    prompts = prompts_of([255, 257, 1500], seed=23)
+    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
+    for prompt, ref in zip(prompts, base):
+        (out,), (key,) = pushed(P, D, [prompt], MAX_TOKENS, logprobs=LOGPROBS)
+        assert out["finish_reason"] == "length", out
+        assert_pages_moved(held, loaded, {"remote_request_id": key}, groups)
+        if len(prompt) >= TOKENS_CHECKED_FROM.get(family, 0):
+            assert_close(out, ref, f"{family} over {name}, pushed prompt of {len(prompt)} tokens", LOGPROBS)
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")

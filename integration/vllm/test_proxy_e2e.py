@@ -86,15 +86,16 @@ class Server:
         self._log.close()
 
 
-def readme_pd_commands() -> tuple[list[str], list[str], list[str]]:
-    """The README's P/D commands as written: the prefill server, the decode server, the router."""
+def readme_pd_commands() -> tuple[list[str], list[str], list[str], list[str]]:
+    """The README's P/D commands as written: the prefill server, the decode server, the router, the push router."""
     commands = [argv for _, argv in shell_commands(ROOT / "README.md")]
     # The README's other server lines (the offload tier's) are not part of the P/D setup.
     servers = [argv for argv in commands if argv[:3] == VLLM_SERVER
                and json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector"] != "KVConnectOffload"]
-    routers = [argv for argv in commands if argv[:2] == ["kvconnect", "proxy"]]
-    assert len(servers) == 2 and len(routers) == 1, (servers, routers)
-    return servers[0], servers[1], routers[0]
+    routers = [argv for argv in commands if argv[:2] == ["kvconnect", "proxy"] and "--mode" not in argv]
+    pushers = [argv for argv in commands if argv[:2] == ["kvconnect", "proxy"] and "--mode" in argv]
+    assert len(servers) == 2 and len(routers) == 1 and len(pushers) == 1, (servers, routers, pushers)
+    return servers[0], servers[1], routers[0], pushers[0]
 
 
 def _with(argv: list[str], flag: str, value: str) -> list[str]:
@@ -124,21 +125,28 @@ def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("proxy-e2e")
     model = add_tokenizer(make_llama(d / "tiny-llama-tokenizer"))
     pstats, dstats = d / "prefill.json", d / "decode.json"
-    prefill_cmd, decode_cmd, router_cmd = readme_pd_commands()
-    prefill = vllm_server("proxy-prefill", prefill_cmd, model, 0, {"stats_path": str(pstats)})
-    decode = vllm_server("proxy-decode", decode_cmd, model, 1, {"stats_path": str(dstats), "load_timeout_s": 30.0})
-    port = _free_port()
-    argv = _with(_with([sys.executable, "-m", "kvconnect.cli", *router_cmd[1:]], "--prefill", prefill.url),
-                 "--decode", decode.url)
-    router = Server("proxy-router", argv + ["--port", str(port), "--health-interval-s", "1",
-                                            "--request-timeout-s", "300"],
-                    dict(os.environ), f"http://127.0.0.1:{port}")
+    prefill_cmd, decode_cmd, router_cmd, push_cmd = readme_pd_commands()
+    # mode "push": the servers also take the push router's requests (the pull router's as before).
+    prefill = vllm_server("proxy-prefill", prefill_cmd, model, 0, {"stats_path": str(pstats), "mode": "push"})
+    decode = vllm_server("proxy-decode", decode_cmd, model, 1, {"stats_path": str(dstats), "load_timeout_s": 30.0,
+                                                                 "mode": "push"})
+    routers = []
+    for name, cmd in (("proxy-router", router_cmd), ("proxy-push-router", push_cmd)):
+        port = _free_port()
+        argv = _with(_with([sys.executable, "-m", "kvconnect.cli", *cmd[1:]], "--prefill", prefill.url),
+                     "--decode", decode.url)
+        routers.append(Server(name, argv + ["--port", str(port), "--health-interval-s", "1", "--request-timeout-s",
+                                            "300"], dict(os.environ), f"http://127.0.0.1:{port}"))
+    router, push_router = routers
     try:
         prefill.wait_healthy(420)
         decode.wait_healthy(420)
         router.wait_healthy(60)
+        push_router.wait_healthy(60)
+        router.push = push_router
         yield prefill, decode, router, pstats, dstats
     finally:
+        push_router.close()
         router.close()
         decode.close()
         prefill.close()
@@ -250,6 +258,26 @@ def test_concurrent_requests_through_the_router(stack):
     assert 'kvconnect_proxy_requests_total{code="200",route="/v1/completions"}' in metrics
     health = httpx.get(router.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and all(i["outstanding"] == 0 for i in health["instances"])
+
+
+def test_push_mode_through_the_router_equals_a_single_server(stack):
+    """The README's push router: decode and prefill get each request at once, prefill writes the KV."""
+    prefill, decode, router, pstats, dstats = stack
+    ok_before = read_stats(dstats).get("loads_ok", 0)
+    for prompt in PROMPTS[1:]:
+        ref = _completion(prefill.url, prompt)
+        got = _completion(router.push.url, prompt)
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"], f"pushed prompt of {len(prompt)} chars"
+    events = _stream(router.push.url, "/v1/completions", {"model": "tiny", "prompt": PROMPTS[-1], "return_token_ids": True,
+                                                          "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                          "ignore_eos": True, "stream": True})
+    assert [t for e in events if e.get("choices") for t in e["choices"][0]["token_ids"] or []] == \
+        _completion(prefill.url, PROMPTS[-1])["choices"][0]["token_ids"]
+    # Every pushed request was written by prefill, none recomputed by decode; prefill kept nothing.
+    st = wait_for(lambda: (s := read_stats(dstats)).get("loads_ok", 0) >= ok_before + len(PROMPTS) and s, 60,
+                  "decode to count every push as a load")
+    assert st.get("loads_failed", 0) == 0, st
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
 
 
 def test_router_reports_a_dead_decode_instance(stack):

@@ -86,14 +86,16 @@ class Consumer:
     # ---- engine-facing API (any thread; never waits on the network) ----
 
     def load(self, params: wire.TransferParams | dict, local_block_ids: Sequence[Sequence[int]], *,
-             handle: str | None = None, timeout_s: float | None = None) -> str:
+             handle: str | None = None, timeout_s: float | None = None, op: str = "READ") -> str:
         """Queue a pull of `params`' blocks into these local block ids (one list per KV group); returns the handle.
 
         A group with fewer local ids than remote ones pulls only the remote suffix (the consumer
         already holds the prefix). Anything wrong with the arguments (TP sizes that cannot map
         included) raises a KVConnectError and queues nothing; everything found later is a reported
-        failure.
+        failure. `op="WRITE"` (push mode) writes the local blocks into those the params name instead.
         """
+        if op not in ("READ", "WRITE"):
+            raise KVConnectError(f"op must be READ or WRITE, got {op!r}")
         params = wire.checked_params(params)
         handle = params.request_id if handle is None else str(handle)
         local = local_ids(self.regions, self.group_regions, params, local_block_ids)
@@ -103,7 +105,7 @@ class Consumer:
         plan = self._plan(params.tp_size)
         deadline = self.clock() + timeout
         parts = [Load(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
-                      readers=plan.readers[p]) for p in plan.reads]
+                      readers=plan.readers[p], op=op) for p in plan.reads]
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")

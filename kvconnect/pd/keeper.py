@@ -87,6 +87,7 @@ class LeaseKeeper:
                    for addr, rids in by_peer.items() for i in range(0, len(rids), wire.MAX_IDS_PER_MESSAGE)]
         if not targets:
             return
+        log.debug("kvconnect lease keeper: heartbeat to %d producer endpoint(s)", len(targets))
         for target, reply in zip(targets, call_many(targets, timeout=self.timeout_s, secret=self.secret)):
             if isinstance(reply, KVConnectError):
                 log.info("kvconnect lease keeper: heartbeat to %s:%s failed: %s", target.host, target.port, reply)

@@ -5,6 +5,11 @@ clock, and drains the releases to report the blocks to the engine as free. Every
 once, by done, abort or expiry. A lease read by several consumer ranks (a decode instance of another
 TP size) ends once as many distinct ranks as the notices say read it have each said done or abort:
 until then one of them may still be reading.
+
+A claimed lease never ends under its claim: the engine giving it up while a claim runs (an abort)
+ends it when the claimant says done or abort, or `quiesce_s` after the claim ran out, whichever is
+first. In push mode the claimant writes into the holder's blocks, so this is what keeps a WRITE in
+flight from landing in blocks the engine already reused.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class Lease:
     readers: int = 1
     finished: set = field(default_factory=set)  # consumer ranks that said done or abort
     aborted: bool = False
+    claimed_until: float = 0.0
+    closing: bool = False  # the engine gave it up while claimed: it ends when the claim is over
 
 
 @dataclass(frozen=True)
@@ -56,12 +63,13 @@ class LeaseTable:
 
     def __init__(self, lease_s: float = 30.0, max_claim_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[int, Release | None], None] | None = None):
+                 on_change: Callable[[int, Release | None], None] | None = None, quiesce_s: float = 0.0):
         """`on_change(delta, release)` hears of every lease started (+1, None) and ended (-1, release)."""
-        if lease_s <= 0 or max_claim_s <= 0:
-            raise ValueError("lease_s and max_claim_s must be positive")
+        if lease_s <= 0 or max_claim_s <= 0 or quiesce_s < 0:
+            raise ValueError("lease_s and max_claim_s must be positive, quiesce_s not negative")
         self.lease_s = lease_s
         self.max_claim_s = max_claim_s
+        self.quiesce_s = quiesce_s
         self._clock = clock
         self._on_change = on_change
         self._lock = threading.Lock()
@@ -71,14 +79,14 @@ class LeaseTable:
         self._ended: dict[str, tuple[ReleaseReason, float]] = {}
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]] | Sequence[np.ndarray],
-             num_tokens: int) -> Lease:
-        """Start a lease; a request id already held is an error, never a silent overwrite."""
+             num_tokens: int, lease_s: float | None = None) -> Lease:
+        """Start a lease (of `lease_s`, default the table's); a request id already held is an error."""
         groups = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds blocks")
             self._ended.pop(request_id, None)
-            lease = Lease(request_id, groups, int(num_tokens), self._clock() + self.lease_s)
+            lease = Lease(request_id, groups, int(num_tokens), self._clock() + (lease_s or self.lease_s))
             self._leases[request_id] = lease
         if self._on_change:
             self._on_change(1, None)
@@ -98,13 +106,14 @@ class LeaseTable:
             self._expire_locked(now)
             for rid in request_ids:
                 lease = self._leases.get(rid)
-                if lease is None:
+                if lease is None or lease.closing:
                     ended = self._ended.get(rid)
-                    refused[rid] = f"lease {ended[0].value}" if ended else "unknown request"
+                    refused[rid] = "lease aborted" if lease else f"lease {ended[0].value}" if ended else "unknown request"
                     continue
-                lease.expires_at = max(lease.expires_at, until)
+                granted[rid] = max(lease.expires_at, until) - now
+                lease.claimed_until = max(lease.claimed_until, until)
+                lease.expires_at = max(lease.expires_at, until + self.quiesce_s)
                 lease.readers = max(lease.readers, readers)
-                granted[rid] = lease.expires_at - now
         return granted, refused
 
     def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
@@ -115,7 +124,7 @@ class LeaseTable:
             self._expire_locked(now)
             for rid in request_ids:
                 lease = self._leases.get(rid)
-                if lease is not None:
+                if lease is not None and not lease.closing:
                     lease.expires_at = max(lease.expires_at, now + self.lease_s)
                     live.append(rid)
         return live
@@ -129,14 +138,19 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is None:
                 return False
+            now = self._clock()
+            if reader is None and lease.claimed_until > now:
+                lease.closing = True
+                lease.expires_at = lease.claimed_until + self.quiesce_s
+                return True
             if reader is not None:
                 lease.readers = max(lease.readers, readers)
                 lease.finished.add(reader)
                 lease.aborted |= reason is ReleaseReason.ABORTED
                 if len(lease.finished) < lease.readers:
                     return True
-                reason = ReleaseReason.ABORTED if lease.aborted else reason
-            return self._end_locked(request_id, reason, self._clock())
+                reason = ReleaseReason.ABORTED if lease.aborted or lease.closing else reason
+            return self._end_locked(request_id, reason, now)
 
     def expire(self) -> int:
         """End every lease whose time is up; returns how many ended."""
@@ -168,9 +182,9 @@ class LeaseTable:
         return True
 
     def _expire_locked(self, now: float) -> int:
-        due = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
-        for rid in due:
-            self._end_locked(rid, ReleaseReason.EXPIRED, now)
+        due = [(rid, lease.closing) for rid, lease in self._leases.items() if lease.expires_at <= now]
+        for rid, closing in due:
+            self._end_locked(rid, ReleaseReason.ABORTED if closing else ReleaseReason.EXPIRED, now)
         if len(self._ended) > _MAX_ENDED:
             # Oldest first (dicts keep insertion order): forget the longest-ended ids.
             for rid in list(self._ended)[: len(self._ended) - _MAX_ENDED]:

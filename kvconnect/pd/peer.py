@@ -71,6 +71,7 @@ class Load:
     # Which producer rank this part of the load reads, and how many consumer ranks read that rank.
     peer_rank: int = 0
     readers: int = 1
+    op: str = "READ"  # WRITE in push mode: the local blocks are written into the peer's
 
     @property
     def request_id(self) -> str:
@@ -156,6 +157,7 @@ class PeerWorker:
     # ---- starting loads: handshake, plan, claim, post ----
 
     def _start(self, loads: list[Load]) -> None:
+        log.debug("kvconnect consumer: %d load(s) from %s: %s", len(loads), self.addr, [ld.handle for ld in loads])
         for load in loads:
             self.active[load.handle] = load
         loads = self._handshake(loads)
@@ -226,6 +228,7 @@ class PeerWorker:
                            request_ids=tuple(ld.request_id for ld in loads), incarnation=self.peer.incarnation,
                            readers=readers)
         sent_at = self.owner.clock()
+        log.debug("kvconnect consumer: claim %s from %s", claim.request_ids, self.addr)
         try:
             reply = call(self.addr.host, self.addr.port, claim, timeout=left, secret=self.owner.secret,
                          connect_timeout=min(self.owner.handshake_timeout_s, left))
@@ -243,7 +246,8 @@ class PeerWorker:
             seconds = reply.granted_s.get(load.request_id)
             if seconds is None:
                 why = reply.refused.get(load.request_id, "no answer for this request")
-                self._fail(load, "lease", f"producer refused: {why}", notify=False)
+                holder = "producer" if load.op == "READ" else "decode"  # whose lease: in push, the decode's
+                self._fail(load, "lease", f"{holder} refused: {why}", notify=False)
             else:
                 load.read_until = sent_at + seconds
                 granted.append(load)
@@ -254,7 +258,7 @@ class PeerWorker:
         try:
             for g, sel in enumerate(self.owner.group_regions):
                 if load.local[g].size:
-                    load.transfers.append(transport.post("READ", self.peer.peer_id, load.local[g], load.remote[g],
+                    load.transfers.append(transport.post(load.op, self.peer.peer_id, load.local[g], load.remote[g],
                                                          regions=sel))
                     metrics.transfer_descriptors.labels(transport.name).observe(load.local[g].size * len(sel))
         except KVConnectError as exc:

@@ -28,24 +28,34 @@ class Producer:
 
     def __init__(self, *, metadata: wire.EngineMetadata, regions: RegionSet, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None, secret: bytes | str | None = None,
-                 allow_wildcard: bool = False, lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 allow_wildcard: bool = False, lease_s: float = 30.0, quiesce_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_offer: Callable[[wire.Offer], None] | None = None):
+        """`on_offer`: push mode's prefill side, told of every decode offer (None: offers are refused)."""
         self.metadata = metadata
         self.regions = regions
         self.group_regions = [list(g) for g in metadata.group_regions]
-        self.leases = LeaseTable(lease_s=lease_s, clock=clock, on_change=self._lease_changed)
+        self.leases = LeaseTable(lease_s=lease_s, clock=clock, on_change=self._lease_changed, quiesce_s=quiesce_s)
+        self.on_offer = on_offer
         self._clock = clock
+        self.abort_reasons: dict[str, str] = {}  # why a claimant gave up, until the release is polled
         self.server = SideChannelServer(self._handle, host=host, port=port, secret=secret,
                                         allow_wildcard=allow_wildcard)
         self.host = advertise_host or host
         self.port = self.server.port
 
-    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> wire.TransferParams:
-        """Keep a finished request's blocks (one id list per KV group) under a lease; returns its transfer params."""
+    def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
+             lease_s: float | None = None) -> wire.TransferParams:
+        """Keep a request's blocks (one id list per KV group) under a lease; returns its transfer params.
+
+        Pull: a finished prefill's blocks, for consumers to read. Push: blocks a decode allocated, for
+        the prefill to write (`lease_s` is then the decode's deadline).
+        """
         if len(block_ids) != len(self.group_regions):
             raise BlockRangeError(f"{len(block_ids)} block-id groups given, producer has "
                                   f"{len(self.group_regions)} KV groups")
         groups = [self.regions.validate(ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
-        lease = self.leases.hold(request_id, groups, num_tokens)
+        lease = self.leases.hold(request_id, groups, num_tokens, lease_s)
         expiry_unix = time.time() + (lease.expires_at - self._clock())
         return wire.TransferParams(
             engine_id=self.metadata.engine_id, host=self.host, port=self.port, request_id=request_id,
@@ -59,6 +69,10 @@ class Producer:
     def poll(self) -> list[Release]:
         """Leases that ended since the last call (done, aborted or expired), each reported once."""
         return self.leases.drain_released()
+
+    def abort_reason(self, request_id: str) -> str:
+        """Why the claimant of an ended lease gave up ("" if it did not say), forgotten once asked."""
+        return self.abort_reasons.pop(request_id, "")
 
     def close(self) -> None:
         """Stop answering consumers. Held leases stay in the table for the engine to drain."""
@@ -93,13 +107,19 @@ class Producer:
                 granted, refused = self.leases.claim(msg.request_ids, msg.need_s, msg.readers)
                 return wire.ClaimReply(granted_s=granted, refused=refused, incarnation=mine)
             case wire.Heartbeat():
-                return wire.Ack(live=tuple(self.leases.heartbeat(msg.request_ids)))
+                live = tuple(self.leases.heartbeat(msg.request_ids))
+                log.debug("kvconnect producer: heartbeat for %s, live %s", msg.request_ids, live)
+                return wire.Ack(live=live)
             case wire.Done():
                 return wire.Ack(live=self._release(msg, ReleaseReason.DONE))
             case wire.Abort():
                 ended = self._release(msg, ReleaseReason.ABORTED)
                 log.info("kvconnect producer: consumer %s aborted %s: %s", msg.engine_id, ended, msg.reason)
+                self.abort_reasons.update((rid, msg.reason) for rid in ended)
                 return wire.Ack(live=ended)
+            case wire.Offer() if self.on_offer is not None:
+                self.on_offer(msg)
+                return wire.Ack(live=(msg.key,))
         raise Refusal("unsupported", f"{type(msg).__name__} is not served here", "unsupported")
 
     def _release(self, msg: wire.Done | wire.Abort, reason: ReleaseReason) -> tuple[str, ...]:

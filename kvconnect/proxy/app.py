@@ -23,6 +23,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvconnect.proxy import push
+from kvconnect.proxy.errors import ProxyError
 from kvconnect.proxy.metrics import RouterMetrics
 from kvconnect.proxy.pool import Instance, NoInstanceError, Pool
 
@@ -47,25 +49,16 @@ class ProxyConfig:
     health_interval_s: float = 5.0
     max_body_bytes: int = 16 << 20
     max_connections: int = 512
+    mode: str = "pull"  # "push": prefill and decode get the request at once (see kvconnect.proxy.push)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be pull or push, got {self.mode!r}")
         for name in ("connect_timeout_s", "request_timeout_s", "health_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.max_body_bytes <= 0 or self.max_connections <= 0:
             raise ValueError("max_body_bytes and max_connections must be positive")
-
-
-class ProxyError(Exception):
-    """A request that ends with an error status and an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "proxy_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-    def body(self) -> dict[str, Any]:
-        """The OpenAI error object."""
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
 def _prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
@@ -109,6 +102,8 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.probed = False
         self._probe_task: asyncio.Task | None = None
+        self.identities: dict[str, dict[str, Any]] = {}  # push mode: prefill URL -> where its side channel is
+        self.background: set[asyncio.Task] = set()  # push mode: prefill requests in flight
 
     # ---- lifecycle ----
 
@@ -158,6 +153,8 @@ class Router:
         self._mark(pool, inst, ok, why)
 
     def _mark(self, pool: Pool, inst: Instance, up: bool, why: str = "") -> None:
+        if not up:
+            self.identities.pop(inst.url, None)  # a restarted instance may listen elsewhere
         if pool.mark(inst, up, why) and self.probed:
             if up:
                 log.warning("kvconnect proxy: %s instance %s is up again", pool.role, inst.url)
@@ -222,7 +219,10 @@ class Router:
                 raise ProxyError(503, f"no live decode instance: "
                                       f"{', '.join(f'{i.url} ({i.last_error})' for i in self.decode.instances)}",
                                  "service_unavailable")
-            params = await self._prefill_step(route, body, headers, deadline)
+            if self.config.mode == "push":
+                params = await push.start(self, route, _prefill_body(body, route), headers, deadline)
+            else:
+                params = await self._prefill_step(route, body, headers, deadline)
             dec = dict(body)
             dec["kv_transfer_params"] = params
             inst, resp = await self._send(self.decode, route, dec, headers, deadline)

@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a prefill instance (vLLM server with a kvconnect connector, kv_producer); repeat for more")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode instance (kv_consumer); repeat for more")
+    p.add_argument("--mode", choices=["pull", "push"], default="pull",
+                   help="pull (default): prefill first, then decode with its params; push: both at once, the "
+                        "prefill writes into the decode's blocks (instances need mode \"push\" in their extra config)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--allow-wildcard", action="store_true",
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = ProxyConfig(prefill=args.prefill, decode=args.decode, connect_timeout_s=args.connect_timeout_s,
-                             request_timeout_s=args.request_timeout_s, health_interval_s=args.health_interval_s)
+                             request_timeout_s=args.request_timeout_s, health_interval_s=args.health_interval_s,
+                             mode=args.mode)
         app = create_app(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

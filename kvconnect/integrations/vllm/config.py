@@ -41,6 +41,8 @@ class PDConfig(msgspec.Struct, **_Struct):
     heartbeat_s: _Seconds = 5.0
     transport_options: dict[str, Any] = {}
     stats_path: _Path | None = None
+    # "push": also serve requests a router sends in push mode (decode offers, prefill writes).
+    mode: Literal["pull", "push"] = "pull"
 
 
 class DiskTierConfig(msgspec.Struct, tag="disk", tag_field="kind", **_Struct):

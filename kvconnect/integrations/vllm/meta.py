@@ -27,6 +27,18 @@ class Hold(msgspec.Struct, **_Struct):
     request_id: str
     block_ids: list[list[int]]
     num_tokens: int
+    push_key: str = ""  # push mode: write the blocks into those the decode offers under this key
+
+
+class Offer(msgspec.Struct, **_Struct):
+    """Decode, push mode: offer these blocks to the prefill at host:port for the request named `key`."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    num_tokens: int
+    key: str
+    host: str
+    port: int
 
 
 class Load(msgspec.Struct, **_Struct):
@@ -76,6 +88,7 @@ class KVConnectMeta(KVConnectorMetadata):
     holds: list[Hold] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    offers: list[Offer] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     offload_loads: list[OffloadLoad] = field(default_factory=list)
     offload_stores: list[OffloadStore] = field(default_factory=list)

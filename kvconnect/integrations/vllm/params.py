@@ -4,11 +4,16 @@ Routers pass the params a prefill instance returned to a decode instance unchang
 (`do_remote_prefill`, `remote_block_ids`, `remote_engine_id`, ...) are vLLM's, so existing routers
 work as they are. `remote_incarnation`, `remote_lease_expiry` and `remote_ranks` (every TP rank of
 the prefill engine as `[host, port, incarnation]`, rank 0 first) are ours.
+
+Push mode (the router sends both halves at once): the prefill's params carry `do_remote_decode` and
+`push_key`; the decode's carry `do_remote_prefill`, the same `push_key`, and `remote_host` and
+`remote_port` of the prefill's side channel, which the router learns once per prefill instance from
+a request with `kvconnect_identify` (answered with the instance's params, no blocks held).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvconnect import wire
 
@@ -47,3 +52,41 @@ def wants_remote_prefill(d: dict[str, Any] | None) -> bool:
 def wants_remote_decode(d: dict[str, Any] | None) -> bool:
     """Whether a prefill request's params ask for its blocks to be held for a decode instance."""
     return bool(d) and bool(d.get("do_remote_decode"))
+
+
+class PushSource(NamedTuple):
+    """A decode request routed in push mode: the router's key, and where the prefill's side channel is."""
+
+    key: str
+    host: str
+    port: int
+
+
+def push_source(d: dict[str, Any] | None) -> PushSource | None:
+    """The push half of a decode request's params (None for a pull); WireError if they are malformed."""
+    if not d or not d.get("do_remote_prefill") or "push_key" not in d:
+        return None
+    key, host, port = d.get("push_key"), d.get("remote_host"), d.get("remote_port")
+    if not (_is_key(key) and isinstance(host, str) and 1 <= len(host) <= 255 and isinstance(port, int)
+            and not isinstance(port, bool) and 1 <= port <= 65535):
+        raise wire.WireError("push-mode kv_transfer_params need push_key (1 to 128 characters), remote_host and "
+                             f"remote_port; got {({k: d.get(k) for k in ('push_key', 'remote_host', 'remote_port')})}")
+    return PushSource(key, host, port)
+
+
+def push_key(d: dict[str, Any] | None) -> str | None:
+    """The key of a prefill request routed in push mode (None for a pull); WireError if malformed."""
+    if not wants_remote_decode(d) or "push_key" not in d:
+        return None
+    if not _is_key(d["push_key"]):
+        raise wire.WireError(f"push_key must be a string of 1 to 128 characters, got {d['push_key']!r}")
+    return d["push_key"]
+
+
+def wants_identity(d: dict[str, Any] | None) -> bool:
+    """Whether a request only asks who this prefill instance is (a router learning where to push from)."""
+    return bool(d) and bool(d.get("kvconnect_identify"))
+
+
+def _is_key(key: object) -> bool:
+    return isinstance(key, str) and 1 <= len(key) <= 128

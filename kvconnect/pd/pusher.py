@@ -1,0 +1,159 @@
+"""Push mode, prefill side: match decode instances' offers with computed prefills, and write them.
+
+A decode instance that allocated blocks for a request routed in push mode offers them (`wire.Offer`:
+the key the router gave both instances, and params naming the blocks, held under the decode's own
+lease). The prefill engine says when the request's KV is computed (`ready`). Whichever comes second
+starts the WRITE, as a load with op WRITE on the consumer: the handshake, the claim (which pins the
+decode's lease), the deadline, the isolation per peer and the done/abort notices are the pull path's.
+A prefill that is ready with no offer within `wait_s` gives its blocks back; an offer no prefill
+picks up is forgotten when the decode's lease runs out (the decode fails it at its own deadline).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvconnect import wire
+from kvconnect.errors import KVConnectError
+from kvconnect.pd.consumer import Consumer, LoadResults
+from kvconnect.sidechannel import Refusal
+
+
+@dataclass
+class PushResults:
+    """Pushes (by handle) that ended since the last call: every byte landed, or failed with why."""
+
+    pushed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Ready:
+    handle: str
+    block_ids: tuple[np.ndarray, ...]
+    since: float
+    timeout_s: float | None
+
+
+class Pusher:
+    """Pairs offers with ready prefills by key and hands each pair to the consumer as a WRITE."""
+
+    def __init__(self, consumer: Consumer, *, wait_s: float = 30.0, max_offers: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        self.consumer = consumer
+        self.wait_s = wait_s
+        self.max_offers = max_offers
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._offers: dict[str, tuple[wire.TransferParams, float]] = {}  # key -> params, when to forget
+        self._ready: dict[str, _Ready] = {}  # key -> the prefill waiting for its offer
+        self._writing: dict[str, str] = {}  # handle -> key, while the consumer runs the WRITE
+        self._results = PushResults()
+
+    # ---- the side channel's thread ----
+
+    def offer(self, msg: wire.Offer) -> None:
+        """A decode's offer: start the WRITE if the prefill is ready, else keep it (Refusal if unusable)."""
+        params = msg.params
+        if params.tp_size != 1 or self.consumer.world_size != 1:
+            raise Refusal("unsupported", f"push mode runs between instances of TP 1 (decode TP {params.tp_size}, "
+                          f"prefill TP {self.consumer.world_size}); use pull mode", "unsupported")
+        now = self._clock()
+        with self._lock:
+            self._expire_locked(now)
+            if msg.key in self._offers or msg.key in self._writing.values():
+                raise Refusal("unsupported", f"key {msg.key!r} was offered already", "unsupported")
+            ready = self._ready.pop(msg.key, None)
+            if ready is None:
+                if len(self._offers) >= self.max_offers:
+                    raise Refusal("busy", f"{self.max_offers} offers wait for their prefill already", "busy")
+                ttl = max(0.0, params.lease_expiry - time.time())
+                self._offers[msg.key] = (params, now + min(ttl, 3600.0))
+                return
+        self._start(msg.key, params, ready)
+
+    # ---- the engine's thread ----
+
+    def ready(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None) -> None:
+        """The prefill of `key` is computed into these blocks: write them once (or as soon as) it is offered."""
+        if not isinstance(key, str) or not 1 <= len(key) <= 128:
+            raise KVConnectError(f"push key must be a string of 1 to 128 characters, got {key!r}")
+        blocks = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
+        with self._lock:
+            if key in self._ready or handle in self._writing:
+                raise KVConnectError(f"push {key!r} (handle {handle!r}) is already waiting or writing")
+            offer = self._offers.pop(key, None)
+            if offer is None:
+                self._ready[key] = _Ready(handle, blocks, self._clock(), timeout_s)
+                return
+        self._start(key, offer[0], _Ready(handle, blocks, self._clock(), timeout_s))
+
+    def abort(self, handle: str) -> bool:
+        """Give up a push: reported failed once no WRITE of it can still land; False if unknown here."""
+        with self._lock:
+            for key, ready in self._ready.items():
+                if ready.handle == handle:
+                    del self._ready[key]
+                    self._results.failed[handle] = "aborted by the engine before the decode offered its blocks"
+                    return True
+            writing = handle in self._writing
+        if writing:
+            self.consumer.abort(handle)
+        return writing
+
+    def take(self, loads: LoadResults) -> PushResults:
+        """The pushes that ended, taken out of the consumer's results (which keep the pull loads)."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            out, self._results = self._results, PushResults()
+            for handle in [h for h in loads.loaded if h in self._writing]:
+                loads.loaded.remove(handle)
+                del self._writing[handle]
+                out.pushed.append(handle)
+            for handle in [h for h in loads.failed if h in self._writing]:
+                out.failed[handle] = str(loads.failed.pop(handle))
+                del self._writing[handle]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Prefills waiting for their offer, plus WRITEs in flight."""
+        with self._lock:
+            return len(self._ready) + len(self._writing)
+
+    # ---- helpers ----
+
+    def _start(self, key: str, params: wire.TransferParams, ready: _Ready) -> None:
+        try:
+            local = _suffix(ready.block_ids, params.block_ids)
+            with self._lock:
+                self._writing[ready.handle] = key
+            self.consumer.load(params, local, handle=ready.handle, timeout_s=ready.timeout_s, op="WRITE")
+        except KVConnectError as exc:
+            with self._lock:
+                self._writing.pop(ready.handle, None)
+                self._results.failed[ready.handle] = f"params: {exc}"
+
+    def _expire_locked(self, now: float) -> None:
+        for key in [k for k, (_, until) in self._offers.items() if until <= now]:
+            del self._offers[key]
+        for key in [k for k, r in self._ready.items() if now - r.since >= self.wait_s]:
+            ready = self._ready.pop(key)
+            self._results.failed[ready.handle] = f"no decode offered blocks for push {key!r} within {self.wait_s:g} s"
+
+
+def _suffix(local: tuple[np.ndarray, ...], remote: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """The prefill's blocks each offered block receives: its last ones (a decode holding a prefix offers fewer)."""
+    if len(local) != len(remote):
+        raise KVConnectError(f"the prefill has {len(local)} KV groups, the offer {len(remote)}")
+    out = []
+    for g, (ids, theirs) in enumerate(zip(local, remote)):
+        if len(theirs) > ids.size:
+            raise KVConnectError(f"group {g}: the decode offers {len(theirs)} blocks, the prefill computed {ids.size}")
+        out.append(ids[ids.size - len(theirs):])
+    return out

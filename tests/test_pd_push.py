@@ -1,0 +1,269 @@
+"""Push mode on the real transports: a decode offers blocks, a prefill in another process writes into them.
+
+The prefill is a `pd_peer` process with push on; the decode is a connector in this process. Bytes are
+compared with the prefill's seeded caches block for block, and blocks no push names must not change.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import assert_pulled, snapshot, wait_for
+from kvconnect import wire
+from kvconnect.errors import KVConnectError
+from kvconnect.sidechannel import call
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def pushes(prefill, handles, timeout: float = 30.0) -> dict[str, str]:
+    """Wait until the prefill reported every push in `handles` ended; handle -> "" (landed) or why it failed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = dict(prefill.call("pushes"))
+        if set(handles) <= set(done) or time.monotonic() > deadline:
+            missing = set(handles) - set(done)
+            assert not missing, f"the prefill never reported pushes {sorted(missing)}"
+            return done
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("order", ["offer-first", "prefill-first"])
+def test_a_push_writes_the_prefills_blocks_into_the_offered_ones(kind, order, producers, consumers) -> None:
+    prefill = producers(kind, 64, seed=7, push=True)
+    decode, caches = consumers(kind, 48, push=True)
+    before = snapshot(caches, decode)
+    groups = len(decode.group_regions)
+    remote = [[3, 9, 10, 11, 40]] * groups
+    local = [[5, 6, 7, 30, 2]] * groups
+    if order == "prefill-first":
+        prefill.call("push", "k1", remote)
+    decode.expect_push("k1", (prefill.host, prefill.port), local, 80, handle="r1")
+    if order == "offer-first":
+        time.sleep(0.2)  # the offer is in the prefill's table before it is ready
+        prefill.call("push", "k1", remote)
+    fin = wait_for(decode, ["r1"])
+    assert fin.loaded == ["r1"] and not fin.failed, fin.failed
+    assert pushes(prefill, ["k1"]) == {"k1": ""}
+    assert_pulled(decode, caches, before, prefill, [(local, remote)])
+    assert decode.held_blocks == 0 and prefill.held_blocks() == 0
+
+
+def test_a_decode_holding_a_prefix_gets_only_the_suffix_written(producers, consumers) -> None:
+    prefill = producers("dense", 64, seed=7, push=True)
+    decode, caches = consumers("dense", 48, push=True)
+    before = snapshot(caches, decode)
+    prefill.call("push", "k", [[1, 2, 3, 4, 5]])
+    decode.expect_push("k", (prefill.host, prefill.port), [[20, 21]], 80, handle="r")
+    assert wait_for(decode, ["r"]).loaded == ["r"]
+    assert_pulled(decode, caches, before, prefill, [([[20, 21]], [[4, 5]])])
+
+
+def test_sixteen_concurrent_pushes_all_land(producers, consumers) -> None:
+    prefill = producers("dense", 256, seed=3, push=True)
+    decode, caches = consumers("dense", 256, push=True)
+    before = snapshot(caches, decode)
+    rng = np.random.default_rng(5)
+    pairs = []
+    local_pool, remote_pool = rng.permutation(256).tolist(), rng.permutation(256).tolist()
+    for i in range(16):
+        local, remote = [local_pool[i * 8:(i + 1) * 8]], [remote_pool[i * 8:(i + 1) * 8]]
+        pairs.append((local, remote))
+        if i % 2:
+            prefill.call("push", f"k{i}", remote)
+        decode.expect_push(f"k{i}", (prefill.host, prefill.port), local, 128, handle=f"r{i}")
+    for i in range(0, 16, 2):
+        prefill.call("push", f"k{i}", pairs[i][1])
+    fin = wait_for(decode, [f"r{i}" for i in range(16)])
+    assert sorted(fin.loaded) == sorted(f"r{i}" for i in range(16)), fin.failed
+    assert set(pushes(prefill, [f"k{i}" for i in range(16)]).values()) == {""}
+    assert_pulled(decode, caches, before, prefill, pairs)
+
+
+def test_a_prefill_that_never_writes_fails_the_decode_within_its_deadline(producers, consumers) -> None:
+    prefill = producers("dense", 16, seed=1, push=True)
+    decode, _ = consumers("dense", 16, push=True)
+    started = time.monotonic()
+    decode.expect_push("never", (prefill.host, prefill.port), [[1, 2]], 32, handle="r", timeout_s=1.0)
+    fin = wait_for(decode, ["r"], timeout=15)
+    assert "within the deadline" in fin.failed["r"] and fin.invalid_block_ids == {1, 2}
+    assert time.monotonic() - started < 10
+    assert decode.held_blocks == 0
+
+
+def test_a_prefill_with_no_offer_gives_its_blocks_back_after_its_lease(producers) -> None:
+    prefill = producers("dense", 16, seed=1, push=True, lease_s=1.0)
+    prefill.call("push", "orphan", [[1, 2, 3]])
+    done = pushes(prefill, ["orphan"], timeout=15)
+    assert "no decode offered blocks" in done["orphan"]
+
+
+def test_an_offer_to_a_dead_prefill_fails_at_once(consumers) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    decode, _ = consumers("dense", 16, push=True, handshake_timeout_s=1.0)
+    decode.expect_push("k", ("127.0.0.1", port), [[1]], 16, handle="r", timeout_s=60)
+    fin = wait_for(decode, ["r"], timeout=15)
+    assert fin.failed["r"].stage == "offer" and decode.held_blocks == 0
+
+
+def test_an_abort_on_the_decode_waits_for_the_write_to_stop(producers, consumers) -> None:
+    prefill = producers("big", 512, seed=2, push=True)
+    decode, caches = consumers("big", 512, push=True)
+    ids = [list(range(512))]
+    decode.expect_push("big", (prefill.host, prefill.port), ids, 512 * 16, handle="r")
+    prefill.call("push", "big", ids)
+    time.sleep(0.05)
+    decode.abort("r")
+    fin = wait_for(decode, ["r"], timeout=60)
+    # The abort raced the WRITE: either the WRITE landed first (a load), or the decode reports the
+    # abort only once the prefill's WRITE is over, which the prefill had reported before it said so.
+    ended = dict(prefill.call("pushes"))
+    assert fin.loaded == ["r"] or fin.failed["r"].stage == "abort"
+    assert "big" in ended, "the decode gave its blocks back while the prefill's WRITE was still running"
+    assert decode.held_blocks == 0 and prefill.held_blocks() == 0
+
+
+def test_an_offer_naming_blocks_the_decode_does_not_have_is_refused_before_any_write(producers, consumers) -> None:
+    prefill = producers("dense", 16, seed=1, push=True)
+    decode, caches = consumers("dense", 16, push=True)
+    before = snapshot(caches, decode)
+    # A hostile (or stale) offer for the decode's own engine, naming blocks past its region.
+    params = decode.producer.hold("h", [[1]], 16)
+    bad = wire.TransferParams(**{**wire.transfer_params_to_builtins(params), "block_ids": [[1 << 40]],
+                                 "request_id": "hostile"})
+    reply = call(prefill.host, prefill.port, wire.Offer(engine_id="x", rank=0, key="k", params=bad))
+    assert reply.live == ("k",)
+    prefill.call("push", "k", [[3]])
+    assert "rejected" in pushes(prefill, ["k"])["k"]
+    assert all(a.equal(b) for a, b in zip(snapshot(caches, decode), before))
+    decode.producer.abort("h")
+
+
+def test_push_between_tensor_parallel_sizes_is_refused_by_name(producers, consumers) -> None:
+    decode, _ = consumers("dense", 16, push=True, world_size=2, rank=0)
+    with pytest.raises(KVConnectError, match="push mode runs between instances of TP 1"):
+        decode.expect_push("k", ("127.0.0.1", 1), [[1]], 16, handle="r")
+
+
+def test_the_prefill_killed_mid_write_fails_the_decode_within_its_deadline(producers, consumers) -> None:
+    prefill = producers("big", 512, seed=2, push=True)
+    decode, _ = consumers("big", 512, push=True)
+    ids = [list(range(512))]
+    decode.expect_push("big", (prefill.host, prefill.port), ids, 512 * 16, handle="r", timeout_s=5.0)
+    prefill.call("push", "big", ids)
+    prefill.kill()
+    fin = wait_for(decode, ["r"], timeout=30)
+    assert fin.loaded == ["r"] or fin.failed["r"]
+    assert decode.held_blocks == 0
+
+
+# ---- the bookkeeping on its own: leases under a claim, the pusher's table, the adapter's params ----
+
+def test_an_engine_abort_under_a_claim_ends_the_lease_only_once_the_claim_is_over() -> None:
+    from kvconnect.pd.leases import LeaseTable, ReleaseReason
+
+    now = [0.0]
+    table = LeaseTable(lease_s=1.0, clock=lambda: now[0], quiesce_s=2.0)
+    table.hold("r", [[1, 2]], 32)
+    granted, _ = table.claim(["r"], 5.0)
+    assert granted == {"r": 5.0}
+    assert table.release("r", ReleaseReason.ABORTED)  # the engine gives up while a WRITE may run
+    assert table.drain_released() == [] and table.held_blocks == 2
+    assert table.claim(["r"], 5.0) == ({}, {"r": "lease aborted"})
+    assert table.heartbeat(["r"]) == []
+    now[0] = 6.99  # the claim ran out at 5; the quiesce time keeps the blocks 2 s more
+    assert table.drain_released() == []
+    now[0] = 7.0
+    (rel,) = table.drain_released()
+    assert rel.reason is ReleaseReason.ABORTED and table.held_blocks == 0
+
+
+def test_the_claimants_notice_ends_an_aborted_claimed_lease_at_once() -> None:
+    from kvconnect.pd.leases import LeaseTable, ReleaseReason
+
+    table = LeaseTable(lease_s=30.0, quiesce_s=2.0)
+    table.hold("r", [[1]], 16)
+    table.claim(["r"], 60.0)
+    table.release("r", ReleaseReason.ABORTED)
+    assert table.release("r", ReleaseReason.DONE, reader=("prefill", 0))  # its WRITE is over
+    (rel,) = table.drain_released()
+    assert rel.reason is ReleaseReason.ABORTED  # the engine gave it up: never reported as loaded
+
+
+def test_a_claimed_lease_outlives_its_claim_by_the_quiesce_time() -> None:
+    from kvconnect.pd.leases import LeaseTable, ReleaseReason
+
+    now = [0.0]
+    table = LeaseTable(lease_s=1.0, clock=lambda: now[0], quiesce_s=2.0)
+    table.hold("r", [[1]], 16)
+    table.claim(["r"], 5.0)
+    now[0] = 6.99
+    assert table.drain_released() == []
+    now[0] = 7.0
+    assert [r.reason for r in table.drain_released()] == [ReleaseReason.EXPIRED]
+
+
+class _RecordingConsumer:
+    """Stands in for the consumer behind a Pusher: records the WRITEs it is asked for."""
+
+    world_size = 1
+
+    def __init__(self):
+        self.loads = []
+
+    def load(self, params, local, *, handle, timeout_s, op):
+        self.loads.append((params.request_id, [ids.tolist() for ids in local], handle, op))
+        return handle
+
+
+def _offer(key: str, blocks, tp: int = 1) -> wire.Offer:
+    ranks = tuple(wire.RankAddr(host="127.0.0.1", port=5600 + r, incarnation="i") for r in range(tp)) if tp > 1 else ()
+    return wire.Offer(engine_id="decode", rank=0, key=key, params=wire.TransferParams(
+        engine_id="decode", host="127.0.0.1", port=5600, request_id=f"lease-{key}", block_ids=blocks, num_tokens=16,
+        lease_expiry=time.time() + 60, incarnation="i", ranks=ranks))
+
+
+def test_the_pusher_writes_whichever_comes_second_and_expires_what_waits_too_long() -> None:
+    from kvconnect.pd.pusher import Pusher
+    from kvconnect.sidechannel import Refusal
+
+    now = [0.0]
+    consumer = _RecordingConsumer()
+    pusher = Pusher(consumer, wait_s=5.0, max_offers=2, clock=lambda: now[0])
+    pusher.offer(_offer("a", [[7, 8]]))
+    pusher.ready("a", [[1, 2, 3]], handle="ra")  # offer first: written now, the prefill's last blocks
+    pusher.ready("b", [[4, 5]], handle="rb")
+    pusher.offer(_offer("b", [[9, 10]]))  # prefill first: written when offered
+    assert consumer.loads == [("lease-a", [[2, 3]], "ra", "WRITE"), ("lease-b", [[4, 5]], "rb", "WRITE")]
+    with pytest.raises(Refusal, match="offered already"):
+        pusher.offer(_offer("b", [[1]]))
+    with pytest.raises(Refusal, match="TP 1"):
+        pusher.offer(_offer("c", [[1]], tp=2))
+    pusher.offer(_offer("c", [[1]]))
+    pusher.offer(_offer("d", [[1]]))
+    with pytest.raises(Refusal, match="wait for their prefill"):
+        pusher.offer(_offer("e", [[1]]))
+    pusher.ready("orphan", [[1]], handle="ro")
+    now[0] = 5.0
+    from kvconnect.pd.consumer import LoadResults
+
+    out = pusher.take(LoadResults(loaded=["ra", "pull-load"]))
+    assert out.pushed == ["ra"] and "no decode offered blocks" in out.failed["ro"]
+
+
+def test_a_decode_offering_more_blocks_than_the_prefill_computed_fails_the_push() -> None:
+    from kvconnect.pd.consumer import LoadResults
+    from kvconnect.pd.pusher import Pusher
+
+    pusher = Pusher(_RecordingConsumer(), wait_s=5.0)
+    pusher.offer(_offer("a", [[7, 8, 9]]))
+    pusher.ready("a", [[1, 2]], handle="ra")
+    assert "the decode offers 3 blocks, the prefill computed 2" in pusher.take(LoadResults()).failed["ra"]
