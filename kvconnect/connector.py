@@ -175,6 +175,8 @@ class KVConnector:
         # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
         transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
+        self._region_of = {name: k for k, r in enumerate(regions) for name in r.names}
+        self._saved: set[str] = set()  # layer-wise push: layers of the running forward pass already computed
         self.metadata = self._metadata(transport, regions, _dtype_name(kv_caches))
         if cfg.role in ("consumer", "both") or cfg.push:
             self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
@@ -287,13 +289,34 @@ class KVConnector:
         self.offers.expect(key, PrefillAddr(*prefill), local_block_ids, num_tokens, handle=handle,
                       timeout_s=timeout_s or self.config.load_timeout_s)
 
-    def push(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None) -> None:
+    def push(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None,
+             layerwise: bool = False) -> None:
         """Push-mode prefill: this request's KV is computed into these blocks; write it into the blocks the
-        decode offers for `key` (now, or once offered). `handle` ends up in `get_finished().sending`."""
+        decode offers for `key` (now, or once offered). `handle` ends up in `get_finished().sending`.
+
+        `layerwise=True`, before the forward pass that completes the prompt: each region is written as
+        soon as `layers_saved` says its layers are computed; `forward_done()` after the pass sends the rest.
+        """
         if self.pusher is None:
             raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
         self.pusher.ready(key, [self.regions.validate(ids, sel) for ids, sel in zip(block_ids, self.group_regions)],
-                          handle=handle, timeout_s=timeout_s)
+                          handle=handle, timeout_s=timeout_s, layerwise=layerwise)
+
+    def layers_saved(self, names: Sequence[str]) -> int:
+        """Layer-wise push: these layers' KV of the running forward pass is final; their regions may be written.
+        Returns how many regions went to WRITEs already running (0 when none was waiting for them)."""
+        if self.pusher is None or not self.pusher.streaming:
+            return 0
+        self._saved.update(names)
+        done = [k for name in names if (k := self._region_of.get(name)) is not None
+                and self._saved.issuperset(self.regions[k].names)]
+        return len(done) * self.pusher.regions_ready(done) if done else 0
+
+    def forward_done(self) -> None:
+        """Layer-wise push: the forward pass ended; every region of its pushes may be written."""
+        self._saved.clear()
+        if self.pusher is not None and self.pusher.streaming:
+            self.pusher.regions_ready(None)
 
     def abort(self, request_id: str) -> None:
         """Give up on a request on either side: a held lease is released, a pending load or push fails."""

@@ -186,7 +186,8 @@ Frame = Union[Hello, Setup, Ready, Command, Answer]
 
 ANSWER_TYPES: dict[str, Any] = {"hold": dict[str, Any], "abort": bool, "held": int,
                                 "releases": list[tuple[str, str]], "push": type(None),
-                                "pushes": list[tuple[str, str]]}
+                                "pushes": list[tuple[str, str]], "push_layerwise": type(None), "layers": int,
+                                "forward_done": type(None)}
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Frame).decode
@@ -334,6 +335,9 @@ def _command_loop(channel: Channel, connector: KVConnector) -> None:
         "held": held,
         "releases": releases_so_far,
         "push": lambda key, block_ids: connector.push(key, block_ids, handle=key),
+        "push_layerwise": lambda key, block_ids: connector.push(key, block_ids, handle=key, layerwise=True),
+        "layers": connector.layers_saved,
+        "forward_done": connector.forward_done,
         "pushes": lambda: (drain(), list(pushes))[1],
     }
     while True:

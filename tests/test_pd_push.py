@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import assert_pulled, snapshot, wait_for
 from kvconnect import wire
@@ -198,6 +199,20 @@ def test_the_claimants_notice_ends_an_aborted_claimed_lease_at_once() -> None:
     assert rel.reason is ReleaseReason.ABORTED  # the engine gave it up: never reported as loaded
 
 
+def test_a_hard_lease_is_never_claimed_past_its_deadline() -> None:
+    from kvconnect.pd.leases import LeaseTable, ReleaseReason
+
+    now = [0.0]
+    table = LeaseTable(lease_s=30.0, clock=lambda: now[0], quiesce_s=2.0)
+    table.hold("r", [[1]], 16, lease_s=3.0, hard=True)
+    assert table.claim(["r"], 60.0)[0] == {"r": 3.0}  # the WRITE gets until the decode's deadline only
+    assert table.heartbeat(["r"]) == ["r"]
+    now[0] = 4.99  # the deadline, plus the quiesce time for a WRITE still landing
+    assert table.drain_released() == []
+    now[0] = 5.0
+    assert [r.reason for r in table.drain_released()] == [ReleaseReason.EXPIRED]
+
+
 def test_a_claimed_lease_outlives_its_claim_by_the_quiesce_time() -> None:
     from kvconnect.pd.leases import LeaseTable, ReleaseReason
 
@@ -219,7 +234,7 @@ class _RecordingConsumer:
     def __init__(self):
         self.loads = []
 
-    def load(self, params, local, *, handle, timeout_s, op):
+    def load(self, params, local, *, handle, timeout_s, op, layerwise=False):
         self.loads.append((params.request_id, [ids.tolist() for ids in local], handle, op))
         return handle
 
@@ -267,3 +282,63 @@ def test_a_decode_offering_more_blocks_than_the_prefill_computed_fails_the_push(
     pusher.offer(_offer("a", [[7, 8, 9]]))
     pusher.ready("a", [[1, 2]], handle="ra")
     assert "the decode offers 3 blocks, the prefill computed 2" in pusher.take(LoadResults()).failed["ra"]
+
+
+# ---- layer-wise: each region written as soon as its layer is computed ----
+
+def _rows_equal(caches, decode, prefill, local, remote, region: int) -> bool:
+    from conftest import byte_rows
+    from pd_peer import make_caches
+
+    want = byte_rows(make_caches(prefill.kind, prefill.num_blocks, prefill.seed)[0], decode)[region]
+    got = byte_rows(caches, decode)[region]
+    return bool((got[local] == want[remote]).all())
+
+
+def test_layerwise_push_writes_each_layer_as_it_is_saved_and_finishes_after_the_pass(producers, consumers) -> None:
+    prefill = producers("dense", 64, seed=7, push=True)
+    decode, caches = consumers("dense", 48, push=True)
+    before = snapshot(caches, decode)
+    local, remote = [[5, 6, 7, 30]], [[3, 9, 10, 11]]
+    decode.expect_push("lw", (prefill.host, prefill.port), local, 64, handle="r")
+    prefill.call("push_layerwise", "lw", remote)  # before the forward pass
+    prefill.call("layers", ["layers.0.attn", "layers.1.attn"])  # two layers computed
+    deadline = time.monotonic() + 30
+    while not all(_rows_equal(caches, decode, prefill, local[0], remote[0], k) for k in (0, 1)):
+        assert time.monotonic() < deadline, "the saved layers were not written during the pass"
+        time.sleep(0.01)
+    # The layers not computed yet are untouched, and the load is not done.
+    assert all(torch.equal(snapshot(caches, decode)[k], before[k]) for k in (2, 3))
+    assert decode.get_finished().loaded == []
+    prefill.call("layers", ["layers.2.attn"])
+    prefill.call("forward_done")  # the rest (layer 3) goes now
+    fin = wait_for(decode, ["r"])
+    assert fin.loaded == ["r"], fin.failed
+    assert pushes(prefill, ["lw"]) == {"lw": ""}
+    assert_pulled(decode, caches, before, prefill, [(local, remote)])
+
+
+def test_layerwise_push_offered_mid_pass_writes_what_was_computed_then_the_rest(producers, consumers) -> None:
+    prefill = producers("hybrid", 32, seed=4, push=True)
+    decode, caches = consumers("hybrid", 32, push=True)
+    before = snapshot(caches, decode)
+    local, remote = [[1, 2], [3, 4]], [[8, 9], [10, 11]]
+    prefill.call("push_layerwise", "lw", remote)
+    prefill.call("layers", ["layers.0.attn", "layers.2.attn"])  # attention layers; state layers never say
+    decode.expect_push("lw", (prefill.host, prefill.port), local, 32, handle="r")
+    time.sleep(0.3)
+    assert decode.get_finished().loaded == []
+    prefill.call("forward_done")
+    assert wait_for(decode, ["r"]).loaded == ["r"]
+    assert_pulled(decode, caches, before, prefill, [(local, remote)])
+
+
+def test_a_layerwise_push_whose_pass_never_ends_fails_the_decode_at_its_deadline(producers, consumers) -> None:
+    prefill = producers("dense", 16, seed=1, push=True)
+    decode, _ = consumers("dense", 16, push=True)
+    decode.expect_push("stuck", (prefill.host, prefill.port), [[1, 2]], 32, handle="r", timeout_s=2.0)
+    prefill.call("push_layerwise", "stuck", [[3, 4]])
+    prefill.call("layers", ["layers.0.attn"])
+    fin = wait_for(decode, ["r"], timeout=30)
+    assert "r" in fin.failed and decode.held_blocks == 0
+    assert pushes(prefill, ["stuck"], timeout=60)["stuck"] != ""

@@ -23,22 +23,24 @@ MAX_TOKENS = 8
 LOGPROBS = 10
 
 
-@pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
+@pytest.fixture(scope="module", params=[("KVConnectNixl", False), ("KVConnectMooncake", False),
+                                        ("KVConnectNixl", True), ("KVConnectMooncake", True)],
+                ids=["KVConnectNixl", "KVConnectMooncake", "KVConnectNixl-layerwise", "KVConnectMooncake-layerwise"])
 def push(request, tiny_llama, tmp_path_factory):
-    """A prefill and a decode engine in push mode (decode's kv_load_failure_policy: fail)."""
-    name = request.param
+    """A prefill and a decode engine in push mode (decode's kv_load_failure_policy: fail); layer-wise or not."""
+    name, layerwise = request.param
     d = tmp_path_factory.mktemp(f"push-{name}")
     pstats, dstats, held, loaded = d / "prefill.json", d / "decode.json", d / "held", d / "loaded"
     P = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={
-                   "stats_path": str(pstats), "mode": "push", "lease_s": 120.0}),
-               core="nobind", name=f"push-{name}-prefill", env={"KVCONNECT_DUMP_DIR": str(held)})
+                   "stats_path": str(pstats), "mode": "push", "lease_s": 120.0, "layerwise": layerwise}),
+               core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}prefill", env={"KVCONNECT_DUMP_DIR": str(held)})
     D = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail", kv_connector_extra_config={
                    "stats_path": str(dstats), "mode": "push", "load_timeout_s": 60.0, "handshake_timeout_s": 15.0}),
-               core="nobind", name=f"push-{name}-decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
+               core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
     try:
         P.wait_ready()
         D.wait_ready()
-        yield name, P, D, pstats, (held, loaded)
+        yield name + " layer-wise" * layerwise, P, D, pstats, (held, loaded)
     finally:
         P.close()
         D.close()
@@ -55,6 +57,8 @@ def test_push_pages_and_greedy_tokens_equal_a_plain_run(push, decode_first):
         assert_pages_moved(held, loaded, {"remote_request_id": key}, groups=1)
         assert out["token_ids"] == ref["token_ids"], f"{name}: pushed prompt of {len(prompt)} tokens differs"
     wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
+    if "layer-wise" in name and decode_first:  # offered before the pass: layers went out during it
+        assert wait_for(lambda: read_stats(pstats).get("layers_streamed", 0) > 0, 30, "layers written in the pass")
 
 
 def test_push_serves_eight_concurrent_requests(push):
@@ -104,8 +108,9 @@ def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
 def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama):
     """A prefill that dies before it writes: decode reports an error within its load deadline, serves on."""
     name, P, D, _, _ = push
-    victim = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={"mode": "push"}),
-                    core="nobind", name=f"push-{name}-victim")
+    connector = name.split()[0]
+    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={"mode": "push"}),
+                    core="nobind", name=f"push-{connector}-victim")
     try:
         victim.wait_ready()
         at = where(victim)

@@ -86,13 +86,15 @@ class Consumer:
     # ---- engine-facing API (any thread; never waits on the network) ----
 
     def load(self, params: wire.TransferParams | dict, local_block_ids: Sequence[Sequence[int]], *,
-             handle: str | None = None, timeout_s: float | None = None, op: str = "READ") -> str:
+             handle: str | None = None, timeout_s: float | None = None, op: str = "READ",
+             layerwise: bool = False) -> str:
         """Queue a pull of `params`' blocks into these local block ids (one list per KV group); returns the handle.
 
         A group with fewer local ids than remote ones pulls only the remote suffix (the consumer
         already holds the prefix). Anything wrong with the arguments (TP sizes that cannot map
         included) raises a KVConnectError and queues nothing; everything found later is a reported
-        failure. `op="WRITE"` (push mode) writes the local blocks into those the params name instead.
+        failure. `op="WRITE"` (push mode) writes the local blocks into those the params name instead;
+        with `layerwise`, only the regions `regions_ready` names are posted, as they become final.
         """
         if op not in ("READ", "WRITE"):
             raise KVConnectError(f"op must be READ or WRITE, got {op!r}")
@@ -105,7 +107,7 @@ class Consumer:
         plan = self._plan(params.tp_size)
         deadline = self.clock() + timeout
         parts = [Load(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
-                      readers=plan.readers[p], op=op) for p in plan.reads]
+                      readers=plan.readers[p], op=op, ready=set() if layerwise else None) for p in plan.reads]
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")
@@ -130,6 +132,12 @@ class Consumer:
         with self._lock:
             for worker in self._by_handle.get(handle, ()):
                 worker.inbox.put(("abort", handle))
+
+    def regions_ready(self, handle: str, regions: Sequence[int] | None) -> None:
+        """Layer-wise loads: these regions' bytes are final (None: every region's); they are posted once claimed."""
+        with self._lock:
+            for worker in self._by_handle.get(handle, ()):
+                worker.inbox.put(("regions", handle, None if regions is None else frozenset(regions)))
 
     def release(self, params: wire.TransferParams | dict) -> None:
         """Tell the producer to free a request's blocks without reading them (the consumer holds them all).

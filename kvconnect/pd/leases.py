@@ -47,6 +47,7 @@ class Lease:
     aborted: bool = False
     claimed_until: float = 0.0
     closing: bool = False  # the engine gave it up while claimed: it ends when the claim is over
+    hard_until: float = float("inf")  # a deadline no claim or heartbeat extends (push mode's decode)
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,17 @@ class LeaseTable:
         self._ended: dict[str, tuple[ReleaseReason, float]] = {}
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]] | Sequence[np.ndarray],
-             num_tokens: int, lease_s: float | None = None) -> Lease:
-        """Start a lease (of `lease_s`, default the table's); a request id already held is an error."""
+             num_tokens: int, lease_s: float | None = None, hard: bool = False) -> Lease:
+        """Start a lease (of `lease_s`, default the table's; `hard`: claims and heartbeats never extend it);
+        a request id already held is an error."""
         groups = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds blocks")
             self._ended.pop(request_id, None)
             lease = Lease(request_id, groups, int(num_tokens), self._clock() + (lease_s or self.lease_s))
+            if hard:
+                lease.hard_until = lease.expires_at
             self._leases[request_id] = lease
         if self._on_change:
             self._on_change(1, None)
@@ -110,9 +114,10 @@ class LeaseTable:
                     ended = self._ended.get(rid)
                     refused[rid] = "lease aborted" if lease else f"lease {ended[0].value}" if ended else "unknown request"
                     continue
-                granted[rid] = max(lease.expires_at, until) - now
-                lease.claimed_until = max(lease.claimed_until, until)
-                lease.expires_at = max(lease.expires_at, until + self.quiesce_s)
+                pinned = min(until, lease.hard_until)
+                granted[rid] = max(min(lease.expires_at, lease.hard_until), pinned) - now
+                lease.claimed_until = max(lease.claimed_until, pinned)
+                lease.expires_at = max(lease.expires_at, pinned + self.quiesce_s)
                 lease.readers = max(lease.readers, readers)
         return granted, refused
 
@@ -125,7 +130,7 @@ class LeaseTable:
             for rid in request_ids:
                 lease = self._leases.get(rid)
                 if lease is not None and not lease.closing:
-                    lease.expires_at = max(lease.expires_at, now + self.lease_s)
+                    lease.expires_at = max(lease.expires_at, min(now + self.lease_s, lease.hard_until))
                     live.append(rid)
         return live
 

@@ -1,8 +1,9 @@
 """Push mode, decode side: offer the blocks allocated for a request to its prefill, and wait for the WRITE.
 
-The blocks are held under a lease in this instance's own producer, and that lease is the deadline:
-the prefill's claim pins it while the WRITE runs (and `quiesce_s` past the claim, so an abort never
-frees blocks a WRITE may still land in), the prefill's done notice ends it as loaded, its abort or
+The blocks are held under a lease in this instance's own producer, and that lease is the deadline
+(a hard one: no claim pins it past that time): the prefill's claim pins it while the WRITE runs
+(and `quiesce_s` past the claim, so neither an abort nor the deadline frees blocks a WRITE may still
+land in), the prefill's done notice ends it as loaded, its abort or
 the expiry as failed. Offers are sent from one thread, every pending one at once (`call_many`), so a
 dead or slow prefill costs the others nothing; an offer that fails ends its hold at once.
 """
@@ -60,7 +61,7 @@ class Offers:
         with self._lock:
             if handle in self._expected:
                 raise KVConnectError(f"a push with handle {handle!r} is already expected")
-            params = self.producer.hold(handle, block_ids, num_tokens, lease_s=timeout_s)
+            params = self.producer.hold(handle, block_ids, num_tokens, lease_s=timeout_s, hard=True)
             self._expected[handle] = key
         offer = wire.Offer(engine_id=self.engine_id, rank=self.rank, key=key, params=params)
         self._outbox.put(Target(prefill.host, prefill.port, offer))

@@ -72,6 +72,15 @@ class Load:
     peer_rank: int = 0
     readers: int = 1
     op: str = "READ"  # WRITE in push mode: the local blocks are written into the peer's
+    # Layer-wise push: the regions whose bytes are final and may be posted (None: all of them); the
+    # load finishes only once every region was posted and has landed.
+    ready: set[int] | None = None
+    posted: set[int] = field(default_factory=set)
+
+    @property
+    def open(self) -> bool:
+        """Regions may still become ready: the load cannot finish yet."""
+        return self.ready is not None
 
     @property
     def request_id(self) -> str:
@@ -147,6 +156,8 @@ class PeerWorker:
                 self._abort(item[1], new)
             elif isinstance(item, tuple) and item[0] == "release":
                 self._done.append((item[1], item[2]))
+            elif isinstance(item, tuple) and item[0] == "regions":
+                self._regions_ready(item[1], item[2], new)
         if new:
             self._start(new)
         self._progress()
@@ -254,17 +265,32 @@ class PeerWorker:
         return granted
 
     def _post(self, load: Load) -> None:
+        """Post what is ready of a claimed load: every group at once, or (layer-wise) the regions ready so far."""
         transport = self.owner.transport
         try:
             for g, sel in enumerate(self.owner.group_regions):
-                if load.local[g].size:
+                regions = [k for k in sel if k not in load.posted and (load.ready is None or k in load.ready)]
+                if load.local[g].size and regions:
                     load.transfers.append(transport.post(load.op, self.peer.peer_id, load.local[g], load.remote[g],
-                                                         regions=sel))
-                    metrics.transfer_descriptors.labels(transport.name).observe(load.local[g].size * len(sel))
+                                                         regions=regions))
+                    metrics.transfer_descriptors.labels(transport.name).observe(load.local[g].size * len(regions))
+                load.posted.update(regions)
         except KVConnectError as exc:
             self._fail(load, "post", str(exc))
             return
-        load.posted_at = time.perf_counter()
+        load.posted_at = load.posted_at or time.perf_counter()
+
+    def _regions_ready(self, handle: str, regions: frozenset[int] | None, new: list[Load]) -> None:
+        """Layer-wise: more regions of a load are final (None: all); post them if it is claimed already."""
+        load = self.active.get(handle) or next((ld for ld in new if ld.handle == handle), None)
+        if load is None or load.ready is None or load.failure is not None:
+            return
+        if regions is None:
+            load.ready = None
+        else:
+            load.ready |= regions
+        if load.remote and load.read_until < math.inf:  # claimed: post now
+            self._post(load)
 
     # ---- progress ----
 
@@ -282,7 +308,7 @@ class PeerWorker:
                 self._fail(load, "transfer", "the producer's claim ran out before the read finished")
             elif TransferState.FAILED in states:
                 self._fail(load, "transfer", "transfer failed")
-            elif final:
+            elif final and not load.open:
                 self._finish(load)
 
     def _left(self, loads: list[Load]) -> float:

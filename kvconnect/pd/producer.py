@@ -45,17 +45,17 @@ class Producer:
         self.port = self.server.port
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
-             lease_s: float | None = None) -> wire.TransferParams:
+             lease_s: float | None = None, hard: bool = False) -> wire.TransferParams:
         """Keep a request's blocks (one id list per KV group) under a lease; returns its transfer params.
 
         Pull: a finished prefill's blocks, for consumers to read. Push: blocks a decode allocated, for
-        the prefill to write (`lease_s` is then the decode's deadline).
+        the prefill to write (`lease_s` is then the decode's deadline, `hard`: no claim extends it).
         """
         if len(block_ids) != len(self.group_regions):
             raise BlockRangeError(f"{len(block_ids)} block-id groups given, producer has "
                                   f"{len(self.group_regions)} KV groups")
         groups = [self.regions.validate(ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
-        lease = self.leases.hold(request_id, groups, num_tokens, lease_s)
+        lease = self.leases.hold(request_id, groups, num_tokens, lease_s, hard)
         expiry_unix = time.time() + (lease.expires_at - self._clock())
         return wire.TransferParams(
             engine_id=self.metadata.engine_id, host=self.host, port=self.port, request_id=request_id,

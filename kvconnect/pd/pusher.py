@@ -7,6 +7,10 @@ starts the WRITE, as a load with op WRITE on the consumer: the handshake, the cl
 decode's lease), the deadline, the isolation per peer and the done/abort notices are the pull path's.
 A prefill that is ready with no offer within `wait_s` gives its blocks back; an offer no prefill
 picks up is forgotten when the decode's lease runs out (the decode fails it at its own deadline).
+
+Layer-wise (`ready(..., layerwise=True)` before the forward pass that completes the prompt): each
+region is posted as soon as `regions_ready` says its layers are computed, so the WRITE runs during
+the forward pass; `regions_ready(None)` after it releases the rest.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class _Ready:
     block_ids: tuple[np.ndarray, ...]
     since: float
     timeout_s: float | None
+    layerwise: bool = False
+    regions: set[int] | None = None  # layer-wise: the regions computed so far (None: all)
+    started: bool = False  # its WRITE is a load: later regions go to the consumer directly
 
 
 class Pusher:
@@ -53,6 +60,7 @@ class Pusher:
         self._offers: dict[str, tuple[wire.TransferParams, float]] = {}  # key -> params, when to forget
         self._ready: dict[str, _Ready] = {}  # key -> the prefill waiting for its offer
         self._writing: dict[str, str] = {}  # handle -> key, while the consumer runs the WRITE
+        self._streaming: dict[str, _Ready] = {}  # handle -> layer-wise pushes whose forward pass still runs
         self._results = PushResults()
 
     # ---- the side channel's thread ----
@@ -79,23 +87,50 @@ class Pusher:
 
     # ---- the engine's thread ----
 
-    def ready(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None) -> None:
-        """The prefill of `key` is computed into these blocks: write them once (or as soon as) it is offered."""
+    def ready(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None,
+              layerwise: bool = False) -> None:
+        """The prefill of `key` is computed into these blocks (layer-wise: is being computed, region by region):
+        write them once (or as soon as) it is offered."""
         if not isinstance(key, str) or not 1 <= len(key) <= 128:
             raise KVConnectError(f"push key must be a string of 1 to 128 characters, got {key!r}")
         blocks = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
         with self._lock:
             if key in self._ready or handle in self._writing:
                 raise KVConnectError(f"push {key!r} (handle {handle!r}) is already waiting or writing")
+            ready = _Ready(handle, blocks, self._clock(), timeout_s, layerwise, set() if layerwise else None)
+            if layerwise:
+                self._streaming[handle] = ready
             offer = self._offers.pop(key, None)
             if offer is None:
-                self._ready[key] = _Ready(handle, blocks, self._clock(), timeout_s)
+                self._ready[key] = ready
                 return
-        self._start(key, offer[0], _Ready(handle, blocks, self._clock(), timeout_s))
+        self._start(key, offer[0], ready)
+
+    def regions_ready(self, regions: Sequence[int] | None) -> int:
+        """Layer-wise: these regions are computed for every push whose forward pass runs (None: it ended).
+        Returns to how many running WRITEs they went."""
+        with self._lock:
+            streams = list(self._streaming.values())
+            for ready in streams:
+                if ready.regions is not None:
+                    ready.regions = None if regions is None else ready.regions | set(regions)
+            if regions is None:
+                self._streaming.clear()
+            writing = [r.handle for r in streams if r.started]
+        for handle in writing:
+            self.consumer.regions_ready(handle, regions)
+        return len(writing)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a layer-wise push waits for regions of the forward pass that runs."""
+        with self._lock:
+            return bool(self._streaming)
 
     def abort(self, handle: str) -> bool:
         """Give up a push: reported failed once no WRITE of it can still land; False if unknown here."""
         with self._lock:
+            self._streaming.pop(handle, None)
             for key, ready in self._ready.items():
                 if ready.handle == handle:
                     del self._ready[key]
@@ -133,10 +168,16 @@ class Pusher:
             local = _suffix(ready.block_ids, params.block_ids)
             with self._lock:
                 self._writing[ready.handle] = key
-            self.consumer.load(params, local, handle=ready.handle, timeout_s=ready.timeout_s, op="WRITE")
+            self.consumer.load(params, local, handle=ready.handle, timeout_s=ready.timeout_s, op="WRITE",
+                               layerwise=ready.layerwise)
+            if ready.layerwise:
+                with self._lock:  # from here on regions_ready forwards; what came before is in the snapshot
+                    ready.started, regions = True, ready.regions
+                self.consumer.regions_ready(ready.handle, None if regions is None else sorted(regions))
         except KVConnectError as exc:
             with self._lock:
                 self._writing.pop(ready.handle, None)
+                self._streaming.pop(ready.handle, None)
                 self._results.failed[ready.handle] = f"params: {exc}"
 
     def _expire_locked(self, now: float) -> None:

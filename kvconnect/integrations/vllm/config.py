@@ -43,6 +43,8 @@ class PDConfig(msgspec.Struct, **_Struct):
     stats_path: _Path | None = None
     # "push": also serve requests a router sends in push mode (decode offers, prefill writes).
     mode: Literal["pull", "push"] = "pull"
+    # Push mode, prefill side: write each layer's KV while the forward pass computes the next.
+    layerwise: bool = False
 
 
 class DiskTierConfig(msgspec.Struct, tag="disk", tag_field="kind", **_Struct):
@@ -97,6 +99,8 @@ def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: s
         raise ValueError(f"{connector}: kv_connector_extra_config: {exc} (keys: {keys})") from None
     try:
         if isinstance(cfg, PDConfig):
+            if cfg.layerwise and cfg.mode != "push":
+                raise ValueError('layerwise streams push-mode WRITEs: it needs "mode": "push"')
             check_bind(cfg.host, allow_wildcard=cfg.allow_wildcard)
             check_transport_options(backend, cfg.transport_options)
         elif cfg.cpu_bytes is not None and cfg.cpu_gib is not None:

@@ -134,6 +134,9 @@ class _PDConnector(_Facade):
     def on_new_request(self, request: Request) -> None:
         self.scheduler.on_new_request(request)
 
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.layer_saved(layer_name, self._connector_metadata)  # layer-wise push: written now
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.scheduler.set_handshake(metadata)
 

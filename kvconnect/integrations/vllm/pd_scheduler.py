@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvconnect.vllm")
 
 # Worker counters (reported through vLLM's connector stats) that the stats file shows, by the name it uses.
-_WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "loads_ok", "loads_failed": "loads_failed"}
+_WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "loads_ok", "loads_failed": "loads_failed",
+                "layers_streamed": "layers_streamed"}
 
 
 class PDScheduler:
@@ -211,7 +212,6 @@ class PDScheduler:
         if wants_identity(params):
             return False, self._identity()
         source = self._pushing.pop(rid, None)
-        log.debug("kvconnect: %s finished (%s), push %s, params %s", rid, request.status, source, params)
         if source is not None and not params.get("do_remote_prefill") \
                 and request.status == RequestStatus.FINISHED_ABORTED:
             self._meta.aborts.append(rid)  # an offer was made: vLLM frees the blocks once the push ended

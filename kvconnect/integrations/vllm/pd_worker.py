@@ -50,7 +50,10 @@ class PDWorker:
         self._abandoned: set[str] = set()  # held, but vLLM freed the blocks itself: never report as sent
         self._refused: dict[str, str] = {}  # loads refused at start, reported at the next results
         self._unpushed: list[str] = []
-        self._pushed: set[str] = set()  # held to be written into a decode's blocks: vLLM waits for the end  # pushes refused at start: their blocks are free at the next results
+        self._pushed: set[str] = set()  # held to be written into a decode's blocks: vLLM waits for the end
+        self._layerwise = config.layerwise and config.mode == "push"
+        self._streamed: set[str] = set()  # layer-wise pushes of the forward pass that runs
+        self._stream_meta: KVConnectMeta | None = None  # the step whose pushes began  # pushes refused at start: their blocks are free at the next results
         self._stats = StepStats(with_metrics=True)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -122,7 +125,9 @@ class PDWorker:
         """The forward pass that wrote these prompts' KV is done: hold them before vLLM can return them."""
         for hold in meta.holds:
             log.debug("kvconnect: hold %s", hold.request_id)
-            if hold.push_key:
+            if hold.request_id in self._streamed:
+                pass  # pushed before the pass, layer by layer
+            elif hold.push_key:
                 self._pushed.add(hold.request_id)
                 self._push(hold)
             else:
@@ -130,10 +135,34 @@ class PDWorker:
             self._held.add(hold.request_id)
             if self._dump is not None:
                 self._dump.write("held", hold.push_key or hold.request_id, hold.block_ids)
+        if self._streamed:
+            self._streamed.clear()
+            self.core.forward_done()
 
-    def _push(self, hold: Hold) -> None:
+    def layer_saved(self, layer_name: str, meta: KVConnectMeta | None) -> None:
+        """Layer-wise push: the running pass computed this layer's KV; write it for the prompts the pass completes.
+
+        vLLM starts a step's loads after its forward pass, so the pushes of the prompts this pass
+        completes begin at its first computed layer.
+        """
+        if not self._layerwise or meta is None:
+            return
+        if meta is not self._stream_meta:
+            self._stream_meta = meta
+            for hold in meta.holds:
+                if hold.push_key:
+                    self._pushed.add(hold.request_id)
+                    self._held.add(hold.request_id)
+                    self._streamed.add(hold.request_id)
+                    self._push(hold, layerwise=True)
+        if self._streamed:
+            sent = self.core.layers_saved((layer_name,))
+            log.debug("kvconnect: layer %s computed, to %d running WRITE(s)", layer_name, sent)
+            self._stats.add(layers_streamed=sent)
+
+    def _push(self, hold: Hold, layerwise: bool = False) -> None:
         try:
-            self.core.push(hold.push_key, hold.block_ids, handle=hold.request_id)
+            self.core.push(hold.push_key, hold.block_ids, handle=hold.request_id, layerwise=layerwise)
         except KVConnectError as exc:  # the blocks are reported sent (free) at the next results
             log.warning("kvconnect push failed: request=%s stage=params reason=%s", hold.request_id, exc)
             self._unpushed.append(hold.request_id)
