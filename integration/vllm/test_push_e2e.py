@@ -57,8 +57,9 @@ def test_push_pages_and_greedy_tokens_equal_a_plain_run(push, decode_first):
         assert_pages_moved(held, loaded, {"remote_request_id": key}, groups=1)
         assert out["token_ids"] == ref["token_ids"], f"{name}: pushed prompt of {len(prompt)} tokens differs"
     wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
-    if "layer-wise" in name and decode_first:  # offered before the pass: layers went out during it
-        assert wait_for(lambda: read_stats(pstats).get("layers_streamed", 0) > 0, 30, "layers written in the pass")
+    if "layer-wise" in name and decode_first:  # offered before the pass: its WRITEs got layers during it
+        assert wait_for(lambda: read_stats(pstats).get("layers_streamed", 0) > 0, 30,
+                        "layers handed to a running WRITE during the pass")
 
 
 def test_push_serves_eight_concurrent_requests(push):

@@ -75,7 +75,7 @@ class Load:
     # Layer-wise push: the regions whose bytes are final and may be posted (None: all of them); the
     # load finishes only once every region was posted and has landed.
     ready: set[int] | None = None
-    posted: set[int] = field(default_factory=set)
+    posted: set[tuple[int, int]] = field(default_factory=set)  # (group, region) already posted
 
     @property
     def open(self) -> bool:
@@ -269,12 +269,13 @@ class PeerWorker:
         transport = self.owner.transport
         try:
             for g, sel in enumerate(self.owner.group_regions):
-                regions = [k for k in sel if k not in load.posted and (load.ready is None or k in load.ready)]
+                # Per (group, region): groups of a hybrid model share regions, each with its own blocks.
+                regions = [k for k in sel if (g, k) not in load.posted and (load.ready is None or k in load.ready)]
                 if load.local[g].size and regions:
                     load.transfers.append(transport.post(load.op, self.peer.peer_id, load.local[g], load.remote[g],
                                                          regions=regions))
                     metrics.transfer_descriptors.labels(transport.name).observe(load.local[g].size * len(regions))
-                load.posted.update(regions)
+                load.posted.update((g, k) for k in regions)
         except KVConnectError as exc:
             self._fail(load, "post", str(exc))
             return
