@@ -100,6 +100,12 @@ def make_caches(kind: str, num_blocks: int, seed: int,
     elif kind == "mla":  # one 576-element latent per token, 3 layers
         caches = {f"layers.{i}.mla": rand(num_blocks, 16 * 576 * 2).view(torch.bfloat16).view(num_blocks, 16, 576)
                   for i in range(3)}
+    elif kind == "hybrid-shared":  # as vLLM registers hybrids: one tensor holds layers of two KV groups
+        t = rand(num_blocks, 4096)
+        caches = {"layers.0.attn": t.view(torch.bfloat16).view(num_blocks, 1, 16, 128),
+                  "layers.1.mamba": t.view(torch.int8).view(num_blocks, 1, 1, 4096)}
+        groups = [KVGroup(layers=("layers.0.attn",), label="attention"),
+                  KVGroup(layers=("layers.1.mamba",), label="mamba")]
     elif kind.startswith("hybrid"):  # 2 attention layers + 2 Mamba layers (int8 pages), two KV groups
         # Variants a decode must refuse: smaller Mamba pages, one group of all layers, layers regrouped.
         state = 2048 if kind == "hybrid-small-state" else 4096

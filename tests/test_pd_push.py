@@ -342,3 +342,24 @@ def test_a_layerwise_push_whose_pass_never_ends_fails_the_decode_at_its_deadline
     fin = wait_for(decode, ["r"], timeout=30)
     assert "r" in fin.failed and decode.held_blocks == 0
     assert pushes(prefill, ["stuck"], timeout=60)["stuck"] != ""
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "push-layerwise"])
+def test_groups_sharing_one_region_each_move_their_own_blocks(mode, producers, consumers) -> None:
+    """vLLM hybrids register one tensor for layers of two KV groups: one region, a block list per group."""
+    prefill = producers("hybrid-shared", 32, seed=6, push=mode != "pull")
+    decode, caches = consumers("hybrid-shared", 32, push=mode != "pull")
+    assert decode.group_regions == [[0], [0]]  # one region, in both groups
+    before = snapshot(caches, decode)
+    local, remote = [[1, 2], [20, 21]], [[5, 6], [9, 10]]
+    if mode == "pull":
+        params = prefill.hold("r", remote, 32)
+        decode.start_load(params, local, handle="r")
+    else:
+        decode.expect_push("k", (prefill.host, prefill.port), local, 32, handle="r")
+        prefill.call("push_layerwise" if mode == "push-layerwise" else "push", "k", remote)
+        if mode == "push-layerwise":
+            prefill.call("layers", ["layers.0.attn"])  # the state layer never says: the region waits for the end
+            prefill.call("forward_done")
+    assert wait_for(decode, ["r"]).loaded == ["r"]
+    assert_pulled(decode, caches, before, prefill, [(local, remote)])
