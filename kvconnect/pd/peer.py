@@ -37,7 +37,7 @@ log = logging.getLogger("kvconnect.pd.consumer")
 
 _peer_ids = itertools.count(1)
 _POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002
-_NOTICE_BACKOFF_S = 5.0
+_NOTICE_BACKOFF_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class PeerWorker:
         self.peer: _Peer | None = None
         self._done: list[tuple[str, int]] = []  # (request id, readers)
         self._aborts: list[tuple[str, str, int]] = []  # (request id, reason, readers)
+        self._unsent: list[tuple[float, Target]] = []  # notices to send again, with their give-up time
         self._notices_down_until = 0.0
         self._idle_since = owner.clock()
         self.thread = spawn(self._run, name=f"kvconnect-peer-{addr}")
@@ -131,7 +132,8 @@ class PeerWorker:
                 for load in list(self.active.values()):
                     self._fail(load, "internal", "unexpected error (see the log)")
             wait = _POLL_MIN_S if items else min(wait * 2, _POLL_MAX_S)
-            if not self.active and not items and self.owner.clock() - self._idle_since > self.owner.peer_idle_s:
+            if not self.active and not items and not self._unsent \
+                    and self.owner.clock() - self._idle_since > self.owner.peer_idle_s:
                 if self.owner.retire(self):
                     self._drop_peer()
                     return
@@ -365,26 +367,39 @@ class PeerWorker:
     # ---- notices to the producer ----
 
     def _send_notices(self) -> None:
-        if not (self._done or self._aborts):
+        # A notice that does not get through is sent again until its give-up time: a producer busy for a
+        # moment would otherwise hold the blocks until their lease ran out. While the producer does not
+        # answer, new notices wait with the others instead of each paying the connect timeout.
+        o = self.owner
+        now = o.clock()
+        if not (self._done or self._aborts or self._unsent) or now < self._notices_down_until:
             return
         done, aborts = self._done, self._aborts
         self._done, self._aborts = [], []
-        o = self.owner
-        if o.clock() < self._notices_down_until:
-            metrics.failures.labels("notify").inc(len(done) + len(aborts))
-            return
         targets = [Target(self.addr.host, self.addr.port, wire.Done(
             engine_id=o.engine_id, rank=o.rank, request_ids=tuple(rid for rid, _ in chunk), readers=chunk[0][1]))
             for same in _by_last(done) for chunk in _chunks(same, wire.MAX_IDS_PER_MESSAGE)]
         targets += [Target(self.addr.host, self.addr.port, wire.Abort(
             engine_id=o.engine_id, rank=o.rank, request_ids=tuple(rid for rid, _, _ in chunk), reason=chunk[0][1],
             readers=chunk[0][2])) for same in _by_last(aborts) for chunk in _chunks(same, wire.MAX_IDS_PER_MESSAGE)]
-        for target, result in zip(targets, call_many(targets, timeout=o.notice_timeout_s, secret=o.secret)):
-            if isinstance(result, KVConnectError):
-                self._notices_down_until = o.clock() + _NOTICE_BACKOFF_S
-                metrics.failures.labels("notify").inc()
-                log.warning("kvconnect notice not delivered: request=%s peer=%s stage=notify reason=%s",
-                            ",".join(target.message.request_ids), self.addr, result)
+        retries = len(self._unsent)
+        pending = self._unsent + [(now + o.notice_retry_s, t) for t in targets]
+        self._unsent = []
+        results = call_many([t for _, t in pending], timeout=o.notice_timeout_s, secret=o.secret)
+        for i, ((give_up, target), result) in enumerate(zip(pending, results)):
+            if not isinstance(result, KVConnectError):
+                continue
+            ids = ",".join(target.message.request_ids)
+            self._notices_down_until = o.clock() + _NOTICE_BACKOFF_S
+            if o.clock() < give_up:
+                if i >= retries:
+                    log.info("kvconnect consumer: notice for %s to %s not delivered (%s); retrying for %.0f s",
+                             ids, self.addr, result, o.notice_retry_s)
+                self._unsent.append((give_up, target))
+                continue
+            metrics.failures.labels("notify").inc()
+            log.warning("kvconnect notice not delivered: request=%s peer=%s stage=notify reason=%s", ids,
+                        self.addr, result)
 
     # ---- peer state and shutdown ----
 
