@@ -4,8 +4,9 @@ Run by the e2e tests and compare.py in a new session (so the whole process group
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
 {"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true} (generate,
-aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps; each
-output says when its request was added and when its first token came, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
+aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps; "ids"
+names the requests; each output says when its request was added, when its first token came and when
+it finished, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
 Replies carry "ok" and results.
 """
 
@@ -44,7 +45,8 @@ def run_with_aborts(llm, cmd: dict) -> dict:
     prompts = cmd["prompts"]
     params = cmd.get("params") or [None] * len(prompts)
     run = next(_runs)
-    ids = [f"run{run}-{i}" for i in range(len(prompts))]  # outputs carry these; aborts take the engine's own
+    # Outputs carry these; aborts take the engine's own. "ids" names them (vLLM's push pairs by request id).
+    ids = cmd.get("ids") or [f"run{run}-{i}" for i in range(len(prompts))]
     stagger = cmd.get("stagger_steps", 0)
     waiting = list(zip(ids, prompts, params))
     internal: dict[str, str] = {}
@@ -76,7 +78,8 @@ def run_with_aborts(llm, cmd: dict) -> dict:
                                         "finish_reason": out.outputs[0].finish_reason,
                                         "logprobs": top_logprobs(out.outputs[0]),
                                         "added_at": added_at.get(out.request_id),
-                                        "first_token_at": first_at.get(out.request_id)}
+                                        "first_token_at": first_at.get(out.request_id),
+                                        "finished_at": time.time()}
         if due:
             engine.abort_request(sorted({internal[r] for r in due}), internal=True)
             for r in due:

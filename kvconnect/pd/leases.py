@@ -48,6 +48,7 @@ class Lease:
     claimed_until: float = 0.0
     closing: bool = False  # the engine gave it up while claimed: it ends when the claim is over
     hard_until: float = float("inf")  # a deadline no claim or heartbeat extends (push mode's decode)
+    length_s: float = 0.0  # what it was held for (the table's default or the holder's own)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Release:
     request_id: str
     reason: ReleaseReason
     block_ids: tuple[np.ndarray, ...]
+    lease_s: float = 0.0  # the lease's length, for the log line of an expiry
 
 
 class LeaseTable:
@@ -88,7 +90,8 @@ class LeaseTable:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds blocks")
             self._ended.pop(request_id, None)
-            lease = Lease(request_id, groups, int(num_tokens), self._clock() + (lease_s or self.lease_s))
+            length = lease_s or self.lease_s
+            lease = Lease(request_id, groups, int(num_tokens), self._clock() + length, length_s=length)
             if hard:
                 lease.hard_until = lease.expires_at
             self._leases[request_id] = lease
@@ -179,7 +182,7 @@ class LeaseTable:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
-        release = Release(request_id, reason, lease.block_ids)
+        release = Release(request_id, reason, lease.block_ids, lease.length_s)
         self._released.append(release)
         self._ended[request_id] = (reason, now)
         if self._on_change:

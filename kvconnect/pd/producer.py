@@ -90,7 +90,7 @@ class Producer:
         metrics.leases_released.labels(release.reason.value).inc()
         if release.reason is ReleaseReason.EXPIRED:
             log.warning("kvconnect lease expired: request=%s peer=- stage=lease reason=no claim, done, abort or "
-                        "heartbeat within %g s", release.request_id, self.leases.lease_s)
+                        "heartbeat within %g s", release.request_id, release.lease_s)
 
     def _handle(self, msg: wire.RequestBody) -> wire.ReplyBody:
         """Answer one side-channel request; runs on the side-channel thread."""
