@@ -105,8 +105,10 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
     return argv[:at[0] + 1] + [value] + argv[at[0] + 2:]
 
 
-def vllm_server(name: str, documented: list[str], model: Path, core: int, extra: dict) -> Server:
-    """A documented vLLM server command for the tiny model on one core, with test-only extra config."""
+def vllm_server(name: str, documented: list[str], model: Path, core: int, extra: dict,
+                flags: tuple[str, ...] = ()) -> Server:
+    """A documented vLLM server command for the tiny model on one core, with test-only extra config
+    (and `flags` after the test's own, where a later flag wins)."""
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -115,7 +117,7 @@ def vllm_server(name: str, documented: list[str], model: Path, core: int, extra:
     argv = _with(_with(_with([sys.executable, *documented[1:]], "--model", str(model)), "--port", str(port)),
                  "--kv-transfer-config", json.dumps(kv))
     argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--max-model-len", "2048", "--dtype", "float32",
-             "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0"]
+             "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0", *flags]
     return Server(name, argv, env, f"http://127.0.0.1:{port}")
 
 
