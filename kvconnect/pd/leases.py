@@ -48,7 +48,7 @@ class Lease:
     claimed_until: float = 0.0
     closing: bool = False  # the engine gave it up while claimed: it ends when the claim is over
     hard_until: float = float("inf")  # a deadline no claim or heartbeat extends (push mode's decode)
-    length_s: float = 0.0  # what it was held for (the table's default or the holder's own)
+    lease_s: float = 0.0  # what it was held for (the table's default or the holder's own)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class LeaseTable:
                 raise ValueError(f"request {request_id!r} already holds blocks")
             self._ended.pop(request_id, None)
             length = lease_s or self.lease_s
-            lease = Lease(request_id, groups, int(num_tokens), self._clock() + length, length_s=length)
+            lease = Lease(request_id, groups, int(num_tokens), self._clock() + length, lease_s=length)
             if hard:
                 lease.hard_until = lease.expires_at
             self._leases[request_id] = lease
@@ -182,7 +182,7 @@ class LeaseTable:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
-        release = Release(request_id, reason, lease.block_ids, lease.length_s)
+        release = Release(request_id, reason, lease.block_ids, lease.lease_s)
         self._released.append(release)
         self._ended[request_id] = (reason, now)
         if self._on_change:
