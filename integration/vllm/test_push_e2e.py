@@ -9,18 +9,38 @@ concurrent requests, close to them by vLLM's closeness rule.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from harness import Engine, assert_close, assert_pages_moved, kv_config, prompts_of, pushed, read_stats, wait_for, where
+from harness import (Engine, Pause, assert_close, assert_pages_moved, kv_config, prompts_of, pushed, read_stats,
+                     wait_for, where)
 
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 8
 LOGPROBS = 10
+DEADLINE_S = 60.0  # decode's load_timeout_s: how long it holds offered blocks for a WRITE
+QUIESCE_S = 2.0  # how long past a claim a hold outlives it (the producer's default)
+
+
+@dataclass
+class Pair:
+    """A prefill and a decode engine in push mode, and what the tests read of them."""
+
+    name: str  # the connector, and " layer-wise" if the prefill streams layers
+    P: Engine
+    D: Engine
+    pstats: Path
+    dstats: Path
+    held: Path  # prefill's page dumps
+    loaded: Path  # decode's page dumps
+    pause: Pause  # stops the prefill mid-WRITE
 
 
 @pytest.fixture(scope="module", params=[("KVConnectNixl", False), ("KVConnectMooncake", False),
@@ -33,14 +53,16 @@ def push(request, tiny_llama, tmp_path_factory):
     pstats, dstats, held, loaded = d / "prefill.json", d / "decode.json", d / "held", d / "loaded"
     P = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={
                    "stats_path": str(pstats), "mode": "push", "lease_s": 120.0, "layerwise": layerwise}),
-               core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}prefill", env={"KVCONNECT_DUMP_DIR": str(held)})
+               core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}prefill", env={"KVCONNECT_DUMP_DIR": str(held)},
+               pause_dir=d / "pause")
     D = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_load_failure_policy="fail", kv_connector_extra_config={
-                   "stats_path": str(dstats), "mode": "push", "load_timeout_s": 60.0, "handshake_timeout_s": 15.0}),
+                   "stats_path": str(dstats), "mode": "push", "load_timeout_s": DEADLINE_S,
+                   "handshake_timeout_s": 15.0}),
                core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
     try:
         P.wait_ready()
         D.wait_ready()
-        yield name + " layer-wise" * layerwise, P, D, pstats, (held, loaded)
+        yield Pair(name + " layer-wise" * layerwise, P, D, pstats, dstats, held, loaded, Pause(d / "pause"))
     finally:
         P.close()
         D.close()
@@ -48,7 +70,7 @@ def push(request, tiny_llama, tmp_path_factory):
 
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
 def test_push_pages_and_greedy_tokens_equal_a_plain_run(push, decode_first):
-    name, P, D, pstats, (held, loaded) = push
+    name, P, D, pstats, held, loaded = push.name, push.P, push.D, push.pstats, push.held, push.loaded
     prompts = prompts_of([15, 16, 17, 300, 1000], seed=51 if decode_first else 52)
     base = P.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]
     for prompt, ref in zip(prompts, base):  # one request at a time
@@ -63,7 +85,7 @@ def test_push_pages_and_greedy_tokens_equal_a_plain_run(push, decode_first):
 
 
 def test_push_serves_eight_concurrent_requests(push):
-    name, P, D, pstats, (held, loaded) = push
+    name, P, D, pstats, held, loaded = push.name, push.P, push.D, push.pstats, push.held, push.loaded
     prompts = prompts_of([40, 100, 17, 250, 2, 64, 500, 33], seed=53)
     base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
     outs, keys = pushed(P, D, prompts, MAX_TOKENS, logprobs=LOGPROBS)
@@ -78,7 +100,7 @@ def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
     """Decode aborts a request it offered blocks for before the prefill wrote them; the prefill's WRITE,
     when it comes, is refused and the prefill frees its blocks; the other request, and later ones
     reusing the aborted request's blocks, give a plain run's tokens."""
-    name, P, D, pstats, _ = push
+    P, D, pstats = push.P, push.D, push.pstats
     prompts = prompts_of([1500, 600], seed=54)
     base = P.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]
     at = where(P)
@@ -106,28 +128,115 @@ def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
         assert out["token_ids"] == r["token_ids"]
 
 
-def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama):
-    """A prefill that dies before it writes: decode reports an error within its load deadline, serves on."""
-    name, P, D, _, _ = push
-    connector = name.split()[0]
-    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={"mode": "push"}),
-                    core="nobind", name=f"push-{connector}-victim")
+def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_ended(push):
+    """Decode aborts a request while the prefill's WRITE into its blocks runs (the prefill stopped right
+    after posting it; layer-wise, after posting its first layer): decode keeps the blocks while the
+    WRITE may still land, frees them once it has ended, and both sides leak nothing and serve on."""
+    P, D = push.P, push.D
+    prompt, key, at = prompts_of([1500], seed=58)[0], uuid.uuid4().hex, where(P)
+    failed = read_stats(push.dstats).get("loads_failed", 0)
+    push.pause.arm()
+    try:
+        dec = _in_thread(lambda: D.run([prompt], max_tokens=MAX_TOKENS, params=[_decode_params(at, key)],
+                                       abort=[0], abort_when=str(push.pause.paused), timeout=300))
+        time.sleep(0.5)  # decode offers first, so the WRITE starts with the forward pass
+        pre = _in_thread(lambda: P.generate([prompt], max_tokens=1,
+                                            params=[{"do_remote_decode": True, "push_key": key}]))
+        stop = push.pause.wait(120)
+    finally:
+        push.pause.disarm()
+    try:
+        assert stop["posted"] > 0 and stop["streaming"] == ("layer-wise" in push.name), stop
+        assert dec.get(120)["outputs"][0]["finish_reason"] == "aborted"
+        # The stopped prefill's WRITE may still land in those blocks: decode keeps them, serving others meanwhile.
+        for n in (20, 30):
+            D.generate(prompts_of([n], seed=60), max_tokens=2)
+            time.sleep(1.0)
+        st = read_stats(push.dstats)
+        assert st["worker_leases_held"] == 1 and st.get("loads_failed", 0) == failed, st
+    finally:
+        P.signal(signal.SIGCONT)
+    pre.get(120)
+    wait_for(lambda: read_stats(push.dstats).get("worker_leases_held") == 0, 60, "decode to free the aborted blocks")
+    assert read_stats(push.dstats).get("loads_failed", 0) == failed + 1  # the aborted push, reported once
+    wait_for(lambda: read_stats(push.pstats).get("held_requests") == 0, 60, "prefill to free the written blocks")
+    nxt = prompts_of([1500, 90], seed=59)
+    ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"]
+    outs, _ = pushed(P, D, nxt, MAX_TOKENS)
+    assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in ref]
+
+
+def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama, tmp_path):
+    """A prefill killed mid-WRITE (layer-wise: after its first layer), then one dead before the offer: decode
+    reports each an error within its load deadline, frees the blocks and serves on."""
+    name, P, D = push.name, push.P, push.D
+    connector, layerwise = name.split()[0], "layer-wise" in name
+    pause = Pause(tmp_path / "pause")
+    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={
+                        "mode": "push", "layerwise": layerwise}),
+                    core="nobind", name=f"push-{connector}-{'layerwise-' * layerwise}victim", pause_dir=pause.dir)
     try:
         victim.wait_ready()
-        at = where(victim)
-        victim.kill()
+        at, key = where(victim), uuid.uuid4().hex
+        prompt = prompts_of([1500], seed=56)[0]
+        pause.arm()
         t0 = time.monotonic()
-        out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180, params=[{
-            "do_remote_prefill": True, "push_key": uuid.uuid4().hex, "remote_host": at["remote_host"],
-            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}])["outputs"][0]
+        dec = _in_thread(lambda: D.generate([prompt], max_tokens=MAX_TOKENS, timeout=240,
+                                            params=[_decode_params(at, key)]))
+        time.sleep(0.5)
+        _in_thread(lambda: victim.generate([prompt], max_tokens=1, params=[{"do_remote_decode": True,
+                                                                            "push_key": key}]))
+        stop = pause.wait(120)
+        assert stop["posted"] > 0 and stop["streaming"] == layerwise, stop
+        victim.kill()
+        out = dec.get(240)["outputs"][0]
         assert out["finish_reason"] == "error", out
-        assert time.monotonic() - t0 < 60 + 15
+        assert time.monotonic() - t0 < DEADLINE_S + QUIESCE_S + 15
+        # Dead before the offer: it fails at once, not at the deadline.
+        t0 = time.monotonic()
+        out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180,
+                         params=[_decode_params(at, uuid.uuid4().hex)])["outputs"][0]
+        assert out["finish_reason"] == "error", out
+        assert time.monotonic() - t0 < DEADLINE_S
     finally:
         victim.close()
+    wait_for(lambda: read_stats(push.dstats).get("worker_leases_held") == 0, 60, "decode to free the failed blocks")
     nxt = prompts_of([123], seed=57)
     ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"][0]
     (out,), _ = pushed(P, D, nxt, MAX_TOKENS)
     assert out["token_ids"] == ref["token_ids"]
+
+
+def _decode_params(at: dict, key: str) -> dict:
+    """A push-mode decode request's params, for the prefill `where` described."""
+    return {"do_remote_prefill": True, "push_key": key, "remote_host": at["remote_host"],
+            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}
+
+
+class _Call:
+    """A call running in a thread; `get` joins it and returns its result or raises its exception."""
+
+    def __init__(self, fn):
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out["value"] = fn()
+        except BaseException as exc:
+            self._out["error"] = exc
+
+    def get(self, timeout: float):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"still running after {timeout} s"
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
+
+
+def _in_thread(fn) -> _Call:
+    return _Call(fn)
 
 
 # ---- the adapter's push pieces, without an engine ----
