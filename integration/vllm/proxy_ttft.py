@@ -8,7 +8,8 @@ streamed through each path and timed from the client's send to the first streame
 - pull: `kvconnect proxy` (prefill, then decode pulls the KV);
 - push: `kvconnect proxy --mode push` (both at once; prefill writes into decode's blocks);
 - push+lw: the same router in front of a second prefill server that streams layer by layer.
-Prints the medians and the ratios to pull.
+Each round starts at another path and waits `--settle-s` before each request. Prints the medians and
+the ratios to pull.
 
     .venv-vllm/bin/python integration/vllm/proxy_ttft.py --lengths 1000 4000 --rounds 5
 """
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--settle-s", type=float, default=1.0, help="pause before each timed request")
     args = ap.parse_args()
     big = ("--max-model-len", "4300", "--max-num-batched-tokens", "4300")
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,10 +86,13 @@ def main() -> None:
                 first_chunk_s(base, text(64))
             times: dict[tuple[int, str], list[float]] = {}
             for n in args.lengths:
-                for _ in range(args.rounds):
+                for r in range(args.rounds):
                     prompt = text(n)
-                    for mode, base in paths.items():
-                        times.setdefault((n, mode), []).append(first_chunk_s(base, prompt))
+                    # Each round starts at another path, so that none always runs after the same one, and
+                    # each request waits until the last one's blocks are free (its delayed frees done).
+                    for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                        time.sleep(args.settle_s)
+                        times.setdefault((n, mode), []).append(first_chunk_s(paths[mode], prompt))
         finally:
             for s in routers + servers:
                 s.close()
