@@ -193,7 +193,7 @@ Frame = Union[Hello, Setup, Ready, Command, Answer]
 ANSWER_TYPES: dict[str, Any] = {"hold": dict[str, Any], "abort": bool, "held": int,
                                 "releases": list[tuple[str, str]], "push": type(None),
                                 "pushes": list[tuple[str, str]], "push_layerwise": type(None), "layers": int,
-                                "forward_done": type(None)}
+                                "forward_done": type(None), "fail_posts": type(None)}
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Frame).decode
@@ -288,6 +288,16 @@ def join_address(host: str, port: int) -> str:
 
 # ---- the producer process ----
 
+def fail_posts(connector: KVConnector, n: int) -> None:
+    """Make the next `n` WRITEs (or READs) this peer's consumer posts fail (wrap its transport at the first call)."""
+    from kvconnect.faults import FaultyTransport
+
+    consumer = connector.consumer
+    if not isinstance(consumer.transport, FaultyTransport):
+        consumer.transport = FaultyTransport(consumer.transport)
+    consumer.transport.fail_posts = n
+
+
 def serve(channel: Channel, setup: Setup) -> None:
     """Register a cache, report Ready, then answer hold/abort/held/releases until stop, kill or disconnect."""
     # UCX and Mooncake read their variables when their engines start, which happens below.
@@ -344,6 +354,7 @@ def _command_loop(channel: Channel, connector: KVConnector) -> None:
         "push_layerwise": lambda key, block_ids: connector.push(key, block_ids, handle=key, layerwise=True),
         "layers": connector.layers_saved,
         "forward_done": connector.forward_done,
+        "fail_posts": lambda n: fail_posts(connector, n),
         "pushes": lambda: (drain(), list(pushes))[1],
     }
     while True:

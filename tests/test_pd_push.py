@@ -346,6 +346,30 @@ def test_a_layerwise_push_whose_pass_never_ends_fails_the_decode_at_its_deadline
     assert pushes(prefill, ["stuck"], timeout=60)["stuck"] != ""
 
 
+def test_a_layer_whose_write_fails_fails_the_push_on_both_sides(producers, consumers) -> None:
+    """The first layer lands, the second's WRITE cannot be posted: the prefill reports the push failed and
+    frees its blocks, and decode fails the load at once (not at its deadline) and frees its own."""
+    prefill = producers("dense", 32, seed=2, push=True)
+    decode, caches = consumers("dense", 32, push=True)
+    local, remote = [[1, 2, 3]], [[7, 8, 9]]
+    prefill.call("fail_posts", 0)  # the fault-injecting transport, passing everything through for now
+    decode.expect_push("lw", (prefill.host, prefill.port), local, 48, handle="r", timeout_s=60.0)
+    prefill.call("push_layerwise", "lw", remote)
+    prefill.call("layers", ["layers.0.attn"])
+    deadline = time.monotonic() + 30
+    while not _rows_equal(caches, decode, prefill, local[0], remote[0], 0):
+        assert time.monotonic() < deadline, "the first layer was not written"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    prefill.call("fail_posts", 1)
+    prefill.call("layers", ["layers.1.attn"])
+    assert "injected post failure" in pushes(prefill, ["lw"])["lw"]
+    fin = wait_for(decode, ["r"], timeout=30)
+    assert "r" in fin.failed and "injected post failure" in str(fin.failed["r"]), fin.failed
+    assert time.monotonic() - t0 < 20  # told by the prefill, well before the 60 s deadline
+    assert decode.held_blocks == 0 and prefill.held_blocks() == 0
+
+
 @pytest.mark.parametrize("mode", ["pull", "push", "push-layerwise"])
 def test_groups_sharing_one_region_each_move_their_own_blocks(mode, producers, consumers) -> None:
     """vLLM hybrids register one tensor for layers of two KV groups: one region, a block list per group."""
