@@ -2,11 +2,10 @@
 
 Installed in every process of an engine started with `Engine(..., pause_dir=...)` (through
 pause_site/sitecustomize.py), as soon as that process imports kvconnect's vLLM worker. Nothing
-happens until a test creates the file
-`arm` in that directory. The next WRITE that kvconnect posts then stops the whole engine process
-(SIGSTOP) right after the post, once it has written `paused` (JSON: pid, whether the push was still
-streaming layers, how many (group, region) pairs it had posted). The test resumes the engine
-(SIGCONT) or kills it.
+happens until a test creates the file `arm` in that directory. The next WRITE that kvconnect posts
+then stops the whole engine process (SIGSTOP) right after the post, once it has written `paused`
+(JSON: pid, whether the push was still streaming layers, how many (group, region) pairs it had
+posted). The test resumes the engine (SIGCONT) or kills it.
 
 Layer-wise, the forward pass is held at its first computed layer until the stop, so the stop always
 comes mid-stream: the WRITE of that layer posted, the other layers not computed yet.
