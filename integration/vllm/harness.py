@@ -319,13 +319,18 @@ def where(P: Engine) -> dict:
     return params
 
 
+def decode_params(at: dict, key: str) -> dict:
+    """A push-mode decode request's params, for the prefill `where` described."""
+    return {"do_remote_prefill": True, "push_key": key, "remote_host": at["remote_host"],
+            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}
+
+
 def pushed(P: Engine, D: Engine, prompts, max_tokens: int, *, decode_first: bool = True, prefill_after_s: float = 0.5,
            **decode_kw):
     """Send the prompts to decode and prefill at once, as a push-mode router does; decode's outputs and the keys."""
     at = where(P)
     keys = [uuid.uuid4().hex for _ in prompts]
-    dparams = [{"do_remote_prefill": True, "push_key": k, "remote_host": at["remote_host"],
-                "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]} for k in keys]
+    dparams = [decode_params(at, k) for k in keys]
     result: dict = {}
 
     def decode() -> None:

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import Engine, kv_config, make_llama, prompts_of
+from harness import Engine, decode_params, kv_config, make_llama, prompts_of
 
 MODES = ("plain", "pull", "push", "push+lw", "vllm-pull", "vllm-push")
 Run = Callable[[list[int]], tuple[float, dict]]
@@ -60,8 +60,7 @@ def _both(P: Engine, D: Engine, prompt: list[int], pparams: dict, dparams: dict,
 
 def _push(P: Engine, D: Engine, prompt: list[int], at: dict) -> tuple[float, dict]:
     key = uuid.uuid4().hex
-    dparams = {"do_remote_prefill": True, "push_key": key, "remote_host": at["remote_host"],
-               "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}
+    dparams = decode_params(at, key)
     return _both(P, D, prompt, {"do_remote_decode": True, "push_key": key}, dparams, key)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import (Engine, Pause, assert_close, assert_pages_moved, kv_config, prompts_of, pushed, read_stats,
-                     wait_for, where)
+from harness import (Engine, Pause, assert_close, assert_pages_moved, decode_params, kv_config, prompts_of, pushed,
+                     read_stats, wait_for, where)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -104,8 +104,7 @@ def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
     base = P.generate(prompts, max_tokens=MAX_TOKENS)["outputs"]
     at = where(P)
     keys = [uuid.uuid4().hex for _ in prompts]
-    dparams = [{"do_remote_prefill": True, "push_key": k, "remote_host": at["remote_host"],
-                "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]} for k in keys]
+    dparams = [decode_params(at, k) for k in keys]
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(out=D.run(prompts, max_tokens=MAX_TOKENS, params=dparams,
                                                                 abort=[0], abort_after_s=1.0, timeout=300)))
@@ -136,10 +135,10 @@ def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_en
     failed = read_stats(push.dstats).get("loads_failed", 0)
     push.pause.arm()
     try:
-        dec = _in_thread(lambda: D.run([prompt], max_tokens=MAX_TOKENS, params=[_decode_params(at, key)],
+        dec = _Call(lambda: D.run([prompt], max_tokens=MAX_TOKENS, params=[decode_params(at, key)],
                                        abort=[0], abort_when=str(push.pause.paused), timeout=300))
         time.sleep(0.5)  # decode offers first, so the WRITE starts with the forward pass
-        pre = _in_thread(lambda: P.generate([prompt], max_tokens=1,
+        pre = _Call(lambda: P.generate([prompt], max_tokens=1,
                                             params=[{"do_remote_decode": True, "push_key": key}]))
         stop = push.pause.wait(120)
     finally:
@@ -179,7 +178,7 @@ def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_lla
         victim.kill()
         t0 = time.monotonic()
         out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180,
-                         params=[_decode_params(at, uuid.uuid4().hex)])["outputs"][0]
+                         params=[decode_params(at, uuid.uuid4().hex)])["outputs"][0]
         assert out["finish_reason"] == "error", out
         assert time.monotonic() - t0 < DEADLINE_S + 15
     finally:
@@ -188,12 +187,6 @@ def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_lla
     ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"][0]
     (out,), _ = pushed(P, D, nxt, MAX_TOKENS)
     assert out["token_ids"] == ref["token_ids"]
-
-
-def _decode_params(at: dict, key: str) -> dict:
-    """A push-mode decode request's params, for the prefill `where` described."""
-    return {"do_remote_prefill": True, "push_key": key, "remote_host": at["remote_host"],
-            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}
 
 
 class _Call:
@@ -216,10 +209,6 @@ class _Call:
         if "error" in self._out:
             raise self._out["error"]
         return self._out["value"]
-
-
-def _in_thread(fn) -> _Call:
-    return _Call(fn)
 
 
 # ---- the adapter's push pieces, without an engine ----
