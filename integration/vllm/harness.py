@@ -110,7 +110,7 @@ class Engine:
     def __init__(self, model: Path, *, kv: dict | None, core: int | str, name: str, llm: dict | None = None,
                  env: dict | None = None, log_dir: Path | None = None, pause_dir: Path | None = None):
         """`core`: the CPU the engine's OpenMP threads bind to, or "nobind" to share every core;
-        `pause_dir`: where a test arms pause.py's stop mid-WRITE (see `Pause`)."""
+        `pause_dir`: where a test arms pause.py's hold mid-WRITE (see `Pause`)."""
         self.name = name
         llm_kw = {"max_model_len": 2048, "dtype": "float32", "enable_prefix_caching": False,
                   "max_num_seqs": 16, "seed": 0}
@@ -209,7 +209,7 @@ class Engine:
 
 
 class Pause:
-    """The test's end of pause.py: arm an engine started with `pause_dir`, wait for it to stop mid-WRITE."""
+    """The test's end of pause.py: arm an engine started with `pause_dir`, wait until it holds a WRITE, resume it."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
@@ -217,17 +217,22 @@ class Pause:
         self.paused = self.dir / "paused"
 
     def arm(self) -> None:
-        """Stop the engine at the next WRITE it posts."""
+        """Hold the engine at the next WRITE it posts."""
         self.paused.unlink(missing_ok=True)
+        (self.dir / "resume").unlink(missing_ok=True)
         (self.dir / "arm").touch()
 
     def wait(self, timeout: float = 60.0) -> dict:
-        """Wait until the engine stopped; what it said of the push (streaming, posted)."""
-        wait_for(self.paused.exists, timeout, "the prefill to stop mid-WRITE")
+        """Wait until the engine holds a WRITE; what it said of the push (streaming, posted)."""
+        wait_for(self.paused.exists, timeout, "the prefill to hold its WRITE")
         return json.loads(self.paused.read_text())
 
     def disarm(self) -> None:
         (self.dir / "arm").unlink(missing_ok=True)
+
+    def resume(self) -> None:
+        """Let the held WRITE go on (its end seen, its notice sent)."""
+        (self.dir / "resume").touch()
 
 
 def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:

@@ -1,14 +1,18 @@
-"""Stop a prefill engine in the middle of a push's WRITE, for the e2e tests of aborts and kills mid-stream.
+"""Hold a prefill engine in the middle of a push's WRITE, for the e2e tests of aborts and kills mid-stream.
 
 Installed in every process of an engine started with `Engine(..., pause_dir=...)` (through
 pause_site/sitecustomize.py), as soon as that process imports kvconnect's vLLM worker. Nothing
 happens until a test creates the file `arm` in that directory. The next WRITE that kvconnect posts
-then stops the whole engine process (SIGSTOP) right after the post, once it has written `paused`
-(JSON: pid, whether the push was still streaming layers, how many (group, region) pairs it had
-posted). The test resumes the engine (SIGCONT) or kills it.
+then holds the thread that posted it right after the post, once it has written `paused` (JSON: pid,
+whether the push was still streaming layers, how many (group, region) pairs it had posted). That
+thread is the one that would see the WRITE end and send decode the done or abort notice, so decode
+hears nothing until the test creates `resume` (or kills the engine).
 
-Layer-wise, the forward pass is held at its first computed layer until the stop, so the stop always
-comes mid-stream: the WRITE of that layer posted, the other layers not computed yet.
+The thread is held, not the process stopped (SIGSTOP): in a full e2e run a stopped prefill once went
+on and sent its done notice within 40 ms, and a held thread does not depend on job-control signals.
+
+Layer-wise, the forward pass is held at its first computed layer until the hold, so it always comes
+mid-stream: the WRITE of that layer posted, the other layers not computed yet.
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 _WORKER = "kvconnect.integrations.vllm.pd_worker"
+_HOLD_S = 300.0  # a test that never resumes does not hold the engine's WRITEs for good
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -60,29 +64,31 @@ def install(directory: str) -> None:
     from kvconnect.pd.peer import PeerWorker
 
     where = Path(directory)
-    arm, paused = where / "arm", where / "paused"
+    arm, paused, resume = where / "arm", where / "paused", where / "resume"
     post, layer_saved = PeerWorker._post, PDWorker.layer_saved
 
-    def paused_post(self, load) -> None:
+    def held_post(self, load) -> None:
         post(self, load)
         if load.op != "WRITE" or not load.posted or load.failure is not None:
             return
         try:
-            os.remove(arm)  # only the first WRITE after arming stops
+            os.remove(arm)  # only the first WRITE after arming is held
         except FileNotFoundError:
             return
         info = {"pid": os.getpid(), "streaming": load.open, "posted": len(load.posted)}
         tmp = where / "paused.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, paused)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        until = time.monotonic() + _HOLD_S
+        while not resume.exists() and time.monotonic() < until:
+            time.sleep(0.01)
 
     def held_layer_saved(self, layer_name: str, meta) -> None:
         layer_saved(self, layer_name, meta)
         if self._streamed and arm.exists():
             deadline = time.monotonic() + 30.0
-            while arm.exists() and time.monotonic() < deadline:  # until the WRITE of this layer stopped us
+            while arm.exists() and time.monotonic() < deadline:  # until the WRITE of this layer is held
                 time.sleep(0.005)
 
-    PeerWorker._post = paused_post
+    PeerWorker._post = held_post
     PDWorker.layer_saved = held_layer_saved

@@ -9,7 +9,6 @@ concurrent requests, close to them by vLLM's closeness rule.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ pytestmark = pytest.mark.timeout(900)
 MAX_TOKENS = 8
 LOGPROBS = 10
 DEADLINE_S = 60.0  # decode's load_timeout_s: how long it holds offered blocks for a WRITE
+QUIESCE_S = 2.0  # how long past a claim a hold outlives it (the producer's default)
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Pair:
     dstats: Path
     held: Path  # prefill's page dumps
     loaded: Path  # decode's page dumps
-    pause: Pause  # stops the prefill mid-WRITE
+    pause: Pause  # holds the prefill mid-WRITE
 
 
 @pytest.fixture(scope="module", params=[("KVConnectNixl", False), ("KVConnectMooncake", False),
@@ -127,7 +127,7 @@ def test_push_decode_abort_refuses_the_late_write_and_leaks_nothing(push):
 
 
 def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_ended(push):
-    """Decode aborts a request while the prefill's WRITE into its blocks runs (the prefill stopped right
+    """Decode aborts a request while the prefill's WRITE into its blocks runs (the prefill held right
     after posting it; layer-wise, after posting its first layer): decode keeps the blocks while the
     WRITE may still land, frees them once it has ended, and both sides leak nothing and serve on."""
     P, D = push.P, push.D
@@ -136,24 +136,21 @@ def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_en
     push.pause.arm()
     try:
         dec = _Call(lambda: D.run([prompt], max_tokens=MAX_TOKENS, params=[decode_params(at, key)],
-                                       abort=[0], abort_when=str(push.pause.paused), timeout=300))
+                                  abort=[0], abort_when=str(push.pause.paused), timeout=300))
         time.sleep(0.5)  # decode offers first, so the WRITE starts with the forward pass
-        pre = _Call(lambda: P.generate([prompt], max_tokens=1,
-                                            params=[{"do_remote_decode": True, "push_key": key}]))
+        pre = _Call(lambda: P.generate([prompt], max_tokens=1, params=[{"do_remote_decode": True, "push_key": key}]))
         stop = push.pause.wait(120)
-    finally:
-        push.pause.disarm()
-    try:
         assert stop["posted"] > 0 and stop["streaming"] == ("layer-wise" in push.name), stop
         assert dec.get(120)["outputs"][0]["finish_reason"] == "aborted"
-        # The stopped prefill's WRITE may still land in those blocks: decode keeps them, serving others meanwhile.
+        # The held WRITE may still land in those blocks: decode keeps them, serving others meanwhile.
         for n in (20, 30):
             D.generate(prompts_of([n], seed=60), max_tokens=2)
             time.sleep(1.0)
         st = read_stats(push.dstats)
-        assert st["worker_leases_held"] == 1 and st.get("loads_failed", 0) == failed, st
+        assert st["worker_leases_held"] == 1 and st.get("loads_failed", 0) == failed, (st, stop)
     finally:
-        P.signal(signal.SIGCONT)
+        push.pause.disarm()
+        push.pause.resume()
     pre.get(120)
     # The hold ends (a gauge) and vLLM hears of the failed push (a count) in one step or in two.
     wait_for(lambda: (s := read_stats(push.dstats)).get("worker_leases_held") == 0
@@ -166,23 +163,39 @@ def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_en
     assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in ref]
 
 
-def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama):
-    """A prefill that dies before it writes: decode reports an error within its load deadline, serves on."""
+def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama, tmp_path):
+    """A prefill killed mid-WRITE (layer-wise: after its first layer), then one dead before the offer: decode
+    reports each an error within its load deadline, frees the blocks and serves on."""
     name, P, D = push.name, push.P, push.D
-    connector = name.split()[0]
-    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={"mode": "push"}),
-                    core="nobind", name=f"push-{connector}-victim")
+    connector, layerwise = name.split()[0], "layer-wise" in name
+    pause = Pause(tmp_path / "pause")
+    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={
+                        "mode": "push", "layerwise": layerwise}),
+                    core="nobind", name=f"push-{connector}-{'layerwise-' * layerwise}victim", pause_dir=pause.dir)
     try:
         victim.wait_ready()
-        at = where(victim)
-        victim.kill()
+        at, key = where(victim), uuid.uuid4().hex
+        prompt = prompts_of([1500], seed=56)[0]
+        pause.arm()
         t0 = time.monotonic()
+        dec = _Call(lambda: D.generate([prompt], max_tokens=MAX_TOKENS, timeout=240,
+                                       params=[decode_params(at, key)]))
+        time.sleep(0.5)
+        _Call(lambda: victim.generate([prompt], max_tokens=1, params=[{"do_remote_decode": True, "push_key": key}]))
+        stop = pause.wait(120)
+        assert stop["posted"] > 0 and stop["streaming"] == layerwise, stop
+        victim.kill()
+        out = dec.get(240)["outputs"][0]
+        assert out["finish_reason"] == "error", out
+        assert time.monotonic() - t0 < DEADLINE_S + QUIESCE_S + 15
+        t0 = time.monotonic()  # dead before the offer
         out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180,
                          params=[decode_params(at, uuid.uuid4().hex)])["outputs"][0]
         assert out["finish_reason"] == "error", out
         assert time.monotonic() - t0 < DEADLINE_S + 15
     finally:
         victim.close()
+    wait_for(lambda: read_stats(push.dstats).get("worker_leases_held") == 0, 60, "decode to free the failed blocks")
     nxt = prompts_of([123], seed=57)
     ref = P.generate(nxt, max_tokens=MAX_TOKENS)["outputs"][0]
     (out,), _ = pushed(P, D, nxt, MAX_TOKENS)
