@@ -8,8 +8,9 @@ whether the push was still streaming layers, how many (group, region) pairs it h
 thread is the one that would see the WRITE end and send decode the done or abort notice, so decode
 hears nothing until the test creates `resume` (or kills the engine).
 
-The thread is held, not the process stopped (SIGSTOP): in a full e2e run a stopped prefill once went
-on and sent its done notice within 40 ms, and a held thread does not depend on job-control signals.
+The thread is held, not the process stopped: a SIGSTOP the process sends itself does not stop the
+sending thread then and there. In these engines that thread ran on past its own kill(), through a file
+write 0.2 ms later, and now and then far enough to send decode the done notice the test must not see.
 
 Layer-wise, the forward pass is held at its first computed layer until the hold, so it always comes
 mid-stream: the WRITE of that layer posted, the other layers not computed yet.
