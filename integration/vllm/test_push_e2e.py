@@ -188,11 +188,12 @@ def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_lla
         out = dec.get(240)["outputs"][0]
         assert out["finish_reason"] == "error", out
         assert time.monotonic() - t0 < DEADLINE_S + QUIESCE_S + 15
-        t0 = time.monotonic()  # dead before the offer
+        # Dead before the offer: the offer fails, and with it the request, before the deadline.
+        t0 = time.monotonic()
         out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180,
                          params=[decode_params(at, uuid.uuid4().hex)])["outputs"][0]
         assert out["finish_reason"] == "error", out
-        assert time.monotonic() - t0 < DEADLINE_S + 15
+        assert time.monotonic() - t0 < DEADLINE_S, time.monotonic() - t0
     finally:
         victim.close()
     wait_for(lambda: read_stats(push.dstats).get("worker_leases_held") == 0, 60, "decode to free the failed blocks")
