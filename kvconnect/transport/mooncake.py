@@ -30,6 +30,8 @@ Mooncake returns -1 for any failure, which reads FAILED. A peer killed mid-batch
 about 0.1 s over TCP (the connection resets); a later batch to it fails within a second (connection
 refused). A hung peer fails a batch only at Mooncake's own deadline, `MC_TRANSFER_TIMEOUT` (30 s by
 default, read when an engine is created) plus 1 ns per byte: callers keep a deadline of their own.
+That deadline is wall time: a host that stalls this long (either end) fails the batch just the same,
+sometimes without a line in Mooncake's log.
 
 Every Mooncake call goes through `_mooncake(what)`, which turns whatever the engine raises into one
 TransferError naming the operation.
@@ -350,10 +352,13 @@ def _run(xfer: _Xfer, call: Callable[..., int], session_lock: threading.Lock, st
                 xfer.submitted += 1
                 xfer.running = True
             stop = start + step
+            t0 = time.monotonic()
             rc = call(xfer.session, xfer.local[start:stop].tolist(), xfer.remote[start:stop].tolist(),
                       xfer.lengths[start:stop].tolist())
         if rc != 0:
-            why = f"batch {xfer.submitted}/{xfer.batches} returned {rc}"
+            # How long it ran tells a refused or reset connection (well under a second) from Mooncake's
+            # own deadline, which it reports the same way and logs only at INFO.
+            why = f"batch {xfer.submitted}/{xfer.batches} returned {rc} after {time.monotonic() - t0:.1f} s"
             log.warning("kvconnect mooncake: %s with %s (%s) failed: %s", xfer.op, xfer.peer_id, xfer.session, why)
             _end_batch(xfer, why)
             return
