@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import uuid
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+LOG_DIR = Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
+# What a failed test's report shows of each engine log: kvconnect's lines, the transfer engines' errors
+# (glog's E/F lines) and Python's errors; CI keeps pytest's output, not the log files.
+_TELLING = re.compile(r"kvconnect|^[EF]\d{4} | ERROR |^Traceback|^\w*Error")
 
 
 def make_llama(path: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 4,
@@ -117,6 +122,7 @@ class Engine:
         llm_kw.update(llm or {})
         spec = {"model": str(model), "kv": kv, "llm": llm_kw}
         e = dict(os.environ)
+        e.setdefault("KVCONNECT_LOG_LEVEL", "INFO")  # kvconnect's lines timestamped in the log
         e.update({"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false",
                   "VLLM_LOGGING_LEVEL": e.get("VLLM_LOGGING_LEVEL", "WARNING")})
@@ -124,7 +130,7 @@ class Engine:
         if pause_dir is not None:  # vllm-cpu spawns its workers: each loads pause.py through sitecustomize
             e["KVCONNECT_E2E_PAUSE_DIR"] = str(pause_dir)
             e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "pause_site"), e.get("PYTHONPATH")]))
-        log_dir = log_dir or Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
+        log_dir = log_dir or LOG_DIR
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")
@@ -233,6 +239,21 @@ class Pause:
     def resume(self) -> None:
         """Let the held WRITE go on (its end seen, its notice sent)."""
         (self.dir / "resume").touch()
+
+
+def telling_lines(since: float, n: int = 40) -> list[tuple[str, str]]:
+    """(log name, its last `n` telling lines) for every engine log in LOG_DIR written to since `since` (epoch s)."""
+    out = []
+    for path in sorted(LOG_DIR.glob("*.log")):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if _TELLING.search(ln)]
+        except OSError:
+            continue
+        if lines:
+            out.append((path.name, "\n".join(lines[-n:])))
+    return out
 
 
 def prompts_of(lengths, vocab: int = 512, seed: int = 1) -> list[list[int]]:
