@@ -26,6 +26,13 @@ LENGTHS = [17, 33, 300, 1000]
 # a forward pass waited at OpenMP barriers for threads that the other engine's workers had preempted,
 # and decode steps took seconds. One thread per worker leaves the scheduler nothing to fight over.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# While the TP-2 engine holds a request for decode, vLLM steps it every millisecond and both its workers
+# spin on sched_yield between steps; on this 2-vCPU host that stalls every other process now and then
+# (`python -c pass` measured at 23 s, 13 s and 10 s while it held a request, 0.02 s otherwise). A stall
+# inside a Mooncake batch ran past Mooncake's own 30 s deadline (MC_TRANSFER_TIMEOUT), which failed the
+# load in CI. The deadlines here are for a stalled host, not for the transfer: Mooncake's and decode's
+# own are raised so that only a hang, not a stall, fails a request.
+STALL_ROOM = {"MC_TRANSFER_TIMEOUT": "240"}
 
 
 @pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
@@ -40,16 +47,16 @@ def engines(request, tiny_llama, tmp_path_factory):
         # 2-core host a TP-2 engine that holds blocks steps without pause until they are released, and
         # with another job running it starved the test's next call past a 30 s lease (prefill held,
         # decode saw the request just after the expiry): the hand-off, not the transfer, took that long.
-        # Side-channel connects get the same room as the other e2e decodes (a busy host answers late).
-        return {"stats_path": str(stats[n]), "load_timeout_s": 60.0, "lease_s": 300.0, "handshake_timeout_s": 15.0}
+        # Loads and side-channel connects get room for the stalls STALL_ROOM is about.
+        return {"stats_path": str(stats[n]), "load_timeout_s": 300.0, "lease_s": 300.0, "handshake_timeout_s": 60.0}
 
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("a")),
                core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-               env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD})
+               env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD, **STALL_ROOM})
     B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("b")),
-               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"]), **ONE_THREAD})
+               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"]), **ONE_THREAD, **STALL_ROOM})
     try:
         A.wait_ready(timeout=400)
         B.wait_ready(timeout=400)
