@@ -29,9 +29,12 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # While the TP-2 engine holds a request for decode, vLLM steps it every millisecond and both its workers
 # spin on sched_yield between steps; on this 2-vCPU host that stalls every other process now and then
 # (`python -c pass` measured at 23 s, 13 s and 10 s while it held a request, 0.02 s otherwise). A stall
-# inside a Mooncake batch ran past Mooncake's own 30 s deadline (MC_TRANSFER_TIMEOUT), which failed the
-# load in CI. The deadlines here are for a stalled host, not for the transfer: Mooncake's and decode's
-# own are raised so that only a hang, not a stall, fails a request.
+# inside a Mooncake batch ran past Mooncake's own 30 s deadline (MC_TRANSFER_TIMEOUT), and in another CI
+# run decode's claim found both prefill ranks' side channels unconnectable for 60 s, then its abort got
+# through at once. The deadlines here are for a stalled host, not for the transfer: every bound a request
+# meets (Mooncake's batch, decode's load and its side-channel connects) is LOAD_S or close to it, so that
+# only a hang, not a stall, fails a request.
+LOAD_S = 300.0
 STALL_ROOM = {"MC_TRANSFER_TIMEOUT": "240"}
 
 
@@ -47,8 +50,8 @@ def engines(request, tiny_llama, tmp_path_factory):
         # 2-core host a TP-2 engine that holds blocks steps without pause until they are released, and
         # with another job running it starved the test's next call past a 30 s lease (prefill held,
         # decode saw the request just after the expiry): the hand-off, not the transfer, took that long.
-        # Loads and side-channel connects get room for the stalls STALL_ROOM is about.
-        return {"stats_path": str(stats[n]), "load_timeout_s": 300.0, "lease_s": 300.0, "handshake_timeout_s": 60.0}
+        # Loads and side-channel connects get room for the stalls LOAD_S is about.
+        return {"stats_path": str(stats[n]), "load_timeout_s": LOAD_S, "lease_s": 300.0, "handshake_timeout_s": LOAD_S}
 
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
                                         kv_connector_extra_config=extra("a")),
@@ -89,7 +92,9 @@ def assert_tp_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, r
 def _pd(P: Engine, D: Engine, prompts):
     pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
-    return params, D.generate(prompts, max_tokens=MAX_TOKENS, params=params, logprobs=LOGPROBS)["outputs"]
+    # Past the load deadline, so that decode reports a failed load rather than the harness giving up first.
+    return params, D.generate(prompts, max_tokens=MAX_TOKENS, params=params, logprobs=LOGPROBS,
+                              timeout=LOAD_S + 120)["outputs"]
 
 
 @pytest.mark.parametrize("direction", ["2->1", "1->2"])
@@ -106,7 +111,7 @@ def test_pd_between_tp_sizes_moves_every_head_and_gives_a_plain_runs_tokens(engi
         assert_tp_pages(pdir, p_tp, ddir, d_tp, params[0]["remote_request_id"])
         assert_close(out, ref, f"TP {direction}, prompt of {len(prompt)} tokens", LOGPROBS)
     # Every prefill rank released every request: the scheduler sees each released once all ranks are.
-    wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 60, "prefill to release every block")
+    wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 120, "prefill to release every block")
 
 
 def test_pd_between_tp_sizes_serves_concurrent_requests(engines):
@@ -117,7 +122,7 @@ def test_pd_between_tp_sizes_serves_concurrent_requests(engines):
     for p, prompt in zip(params, prompts):
         if len(prompt) > 1:
             assert_tp_pages(dumps["a"], 2, dumps["b"], 1, p["remote_request_id"])
-    wait_for(lambda: (s := read_stats(stats["a"])) and s.get("held_requests") == 0, 60, "prefill to release")
+    wait_for(lambda: (s := read_stats(stats["a"])) and s.get("held_requests") == 0, 120, "prefill to release")
 
 
 # ---- the adapter's TP pieces, without an engine ----
