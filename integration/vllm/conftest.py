@@ -18,6 +18,6 @@ def pytest_runtest_makereport(item, call):
     """A failed test's report carries what its engines logged of kvconnect and of errors meanwhile."""
     outcome = yield
     report = outcome.get_result()
-    if report.failed and call.when == "call":
+    if report.failed and call.when != "teardown":
         for name, text in telling_lines(since=call.start - 1.0):
             report.sections.append((f"engine log {name}", text))
