@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.metrics import MetricWrapperBase
 
 # Failure stages: where in a request's life it failed (the reason itself goes to the log line).
-STAGES = ("handshake", "lease", "post", "transfer", "notify", "abort", "shutdown", "internal")
+STAGES = ("params", "handshake", "lease", "offer", "post", "transfer", "notify", "abort", "shutdown", "internal")
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
