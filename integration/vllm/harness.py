@@ -321,20 +321,6 @@ def assert_close(got: dict, ref: dict, what: str, logprobs: int) -> None:
     print(f"{what}: tokens differ from position {i} on, within each other's top-{logprobs} logprobs")
 
 
-def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int) -> None:
-    """Decode's pages after the load equal prefill's (KVCONNECT_DUMP_DIR dumps), group, layer and block."""
-    import numpy as np
-
-    rid = params["remote_request_id"]
-    before, after = np.load(held / f"held-{rid}.npz"), np.load(loaded / f"loaded-{rid}.npz")
-    assert sorted(before.files) == sorted(after.files), (before.files, after.files)
-    assert len({key.split(":")[0] for key in before.files}) == groups, before.files
-    for key in before.files:  # "group:layer"
-        want, got = before[key], after[key]
-        # Decode may already hold a prefix (fewer local blocks): its blocks are the suffix of prefill's.
-        assert got.shape[0] <= want.shape[0] and np.array_equal(got, want[want.shape[0] - got.shape[0]:]), key
-
-
 # ---- push mode: what a router does, from the test process ----
 
 def where(P: Engine) -> dict:

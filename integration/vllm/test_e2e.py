@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from harness import Engine, assert_close, assert_pages_moved, kv_config, prompts_of, read_stats, wait_for
+from harness import Engine, assert_close, kv_config, prompts_of, read_stats, wait_for
+from pages import assert_pages_moved
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -19,7 +19,6 @@ import pytest
 from harness import (
     Engine,
     assert_close,
-    assert_pages_moved,
     kv_config,
     make_tiny,
     prompts_of,
@@ -27,6 +26,7 @@ from harness import (
     read_stats,
     wait_for,
 )
+from pages import assert_pages_moved
 
 pytestmark = pytest.mark.timeout(1200)
 

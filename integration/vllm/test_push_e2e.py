@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import (Engine, Pause, assert_close, assert_pages_moved, decode_params, kv_config, prompts_of, pushed,
+from harness import (Engine, Pause, assert_close, decode_params, kv_config, prompts_of, pushed,
                      read_stats, wait_for, where)
+from pages import assert_pages_moved
 
 pytestmark = pytest.mark.timeout(900)
 

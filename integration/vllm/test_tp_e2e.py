@@ -10,12 +10,10 @@ order, so their float32 KV differs in the last bits and a random model's near-ti
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
 from harness import Engine, assert_close, kv_config, prompts_of, read_stats, wait_for
+from pages import assert_tp_pages
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -69,26 +67,6 @@ def engines(request, tiny_llama, tmp_path_factory):
     finally:
         A.close()
         B.close()
-
-
-def _pages(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
-def assert_tp_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, rid: str) -> None:
-    """Decode's pages after the load are the head shards prefill held, rearranged for decode's TP size."""
-    def name(kind: str, tp: int, r: int) -> str:
-        return f"{kind}-{rid}" + (f"-rank{r}" if tp > 1 else "") + ".npz"
-
-    held = [_pages(prefill_dir / name("held", p_tp, r)) for r in range(p_tp)]
-    loaded = [_pages(decode_dir / name("loaded", d_tp, r)) for r in range(d_tp)]
-    for key in held[0]:
-        # Heads are the outermost dim of a page: the whole page is the ranks' pages side by side.
-        whole = np.concatenate([h[key] for h in held], axis=1)
-        got = np.concatenate([ld[key] for ld in loaded], axis=1)
-        assert got.shape[0] <= whole.shape[0], key
-        assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"
 
 
 def _pd(P: Engine, D: Engine, prompts):

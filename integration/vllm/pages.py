@@ -1,0 +1,74 @@
+"""Byte checks of what a P/D request moved, from the page dumps of kvconnect's vLLM adapter.
+
+`KVCONNECT_DUMP_DIR` makes prefill write the pages it held and decode the pages it loaded
+(`kvconnect.integrations.vllm.dump`). A check passes only when every group moved at least one block
+(or exactly the blocks the caller expects) and every loaded byte equals the prefill's: a dump with no
+blocks, a missing group or a missing rank fails, so a request that moved nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def _pages(path: Path) -> dict[str, np.ndarray]:
+    assert path.exists(), f"no page dump at {path}: the request was never held or never loaded"
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _expected(params: dict, groups: int) -> list[int] | None:
+    """Blocks per group that the prefill handed out, when the params say (pull); None for push."""
+    ids = params.get("remote_block_ids")
+    if ids is None:
+        return None
+    per_group = ids if ids and isinstance(ids[0], (list, tuple)) else [ids]
+    assert len(per_group) == groups, f"params carry {len(per_group)} groups, expected {groups}"
+    return [len(g) for g in per_group]
+
+
+def assert_pages_moved(held: Path, loaded: Path, params: dict, groups: int,
+                       loaded_blocks: Sequence[int] | None = None) -> None:
+    """Decode's pages after the load equal prefill's, group, layer and block, and every group moved blocks.
+
+    Decode may already hold a prefix (fewer local blocks): its blocks are then the suffix of the
+    prefill's. `loaded_blocks` (per group), when given, is exactly how many blocks decode must have
+    loaded; otherwise each group must have loaded at least one.
+    """
+    rid = params["remote_request_id"]
+    before, after = _pages(held / f"held-{rid}.npz"), _pages(loaded / f"loaded-{rid}.npz")
+    assert before and sorted(before) == sorted(after), (sorted(before), sorted(after))
+    assert len({key.split(":")[0] for key in before}) == groups, sorted(before)
+    handed_out = _expected(params, groups)
+    for key in before:  # "group:layer"
+        g = int(key.split(":")[0])
+        want, got = before[key], after[key]
+        if handed_out is not None:
+            assert want.shape[0] == handed_out[g], f"{key}: prefill held {want.shape[0]} blocks, handed out {handed_out[g]}"
+        need = loaded_blocks[g] if loaded_blocks is not None else None
+        assert (got.shape[0] == need) if need is not None else got.shape[0] >= 1, \
+            f"{key}: decode loaded {got.shape[0]} blocks, expected {need if need is not None else 'at least 1'}"
+        assert got.shape[0] <= want.shape[0] and np.array_equal(got, want[want.shape[0] - got.shape[0]:]), key
+
+
+def assert_tp_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, rid: str) -> None:
+    """Decode's pages after the load are the head shards prefill held, rearranged for decode's TP size;
+    every rank's dump has every layer and at least one block."""
+    def name(kind: str, tp: int, r: int) -> str:
+        return f"{kind}-{rid}" + (f"-rank{r}" if tp > 1 else "") + ".npz"
+
+    held = [_pages(prefill_dir / name("held", p_tp, r)) for r in range(p_tp)]
+    loaded = [_pages(decode_dir / name("loaded", d_tp, r)) for r in range(d_tp)]
+    keys = sorted(held[0])
+    assert keys, f"{rid}: prefill dumped no layers"
+    for pages in held + loaded:
+        assert sorted(pages) == keys, (sorted(pages), keys)
+    for key in keys:
+        # Heads are the outermost dim of a page: the whole page is the ranks' pages side by side.
+        whole = np.concatenate([h[key] for h in held], axis=1)
+        got = np.concatenate([ld[key] for ld in loaded], axis=1)
+        assert 1 <= got.shape[0] <= whole.shape[0], f"{rid} {key}: decode loaded {got.shape[0]} blocks"
+        assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"
