@@ -114,13 +114,16 @@ class OffloadWorker:
         slots = np.asarray(load.slots, dtype=np.int64)
         ids = np.asarray(load.block_ids, dtype=np.int64)
         after = self._mover.engine_event()
-        usable = [len(ids)]
+        # Blocks whose bytes are in the engine's blocks: none until the copy returned. Whatever fails
+        # before (a tier raising, the copy failing) leaves every block of the load invalid.
+        usable = [0]
 
         def work() -> None:
             got = self._chain.fetch(load.fetch_keys, slots[load.fetch_from:])
-            usable[0] = load.fetch_from + leading(got)
-            if usable[0]:
-                self._mover.load(slots[:usable[0]], ids[:usable[0]], after, self.timeout_s)
+            ready = load.fetch_from + leading(got)
+            if ready:
+                self._mover.load(slots[:ready], ids[:ready], after, self.timeout_s)
+            usable[0] = ready
             if not got.all():
                 raise TransferError(f"{int((~got).sum())} of {got.size} blocks missing or corrupt in the lower tiers")
 

@@ -1,0 +1,78 @@
+"""An asynchronous offload load that fails anywhere reports every block it did not fill as invalid.
+
+vLLM decodes on the blocks a load reports done, so a load whose lower tier raised, or whose copy into
+the engine's blocks failed, must name those blocks in `get_block_ids_with_load_errors`: vLLM then
+recomputes them. Runs the real worker half, real host pool and real copies; only the failure is made.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvconnect.errors import TransferError
+from kvconnect.integrations.vllm.meta import KVConnectMeta, OffloadLoad
+from kvconnect.integrations.vllm.offload_worker import OffloadWorker
+from kvconnect.offload.jobs import JobRunner
+
+BLOCKS, PAGE = 8, 256
+
+
+class _Chain:
+    """A lower-tier chain that finds every page (`finds`) or raises, as a broken tier would."""
+
+    def __init__(self, raises: bool):
+        self.raises = raises
+
+    def fetch(self, keys, slots) -> np.ndarray:
+        if self.raises:
+            raise OSError("the disk under the tier went away")
+        return np.ones(len(keys), dtype=bool)
+
+    def close(self, timeout: float) -> None:
+        return
+
+
+def _worker(chain: _Chain) -> OffloadWorker:
+    caches = {f"layer{i}": torch.zeros((BLOCKS, PAGE), dtype=torch.uint8) for i in range(2)}
+    worker = OffloadWorker(num_slots=4, slot_bytes=2 * PAGE, timeout_s=5.0, connector="KVConnectOffload")
+    worker.register_kv_caches(caches)
+    worker._chain, worker._fetcher = chain, JobRunner(1, name="test-fetch")
+    return worker
+
+
+def _ended(worker: OffloadWorker, rid: str) -> set[int]:
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if rid in worker.finished_recving():
+            return worker.invalid_blocks()
+        time.sleep(0.01)
+    raise AssertionError(f"load {rid} never reported")
+
+
+@pytest.mark.parametrize("where", ["tier raises", "copy fails"])
+def test_a_failed_fetch_reports_every_block_it_did_not_fill_as_invalid(where, monkeypatch) -> None:
+    worker = _worker(_Chain(raises=where == "tier raises"))
+    if where == "copy fails":
+        def fail(*args, **kwargs):
+            raise TransferError("copy into the engine's blocks failed")
+        monkeypatch.setattr(worker._mover, "load", fail)
+    load = OffloadLoad(block_ids=[5, 6, 7], slots=[0, 1, 2], request_id="r", fetch_keys=[b"a", b"b"], fetch_from=1)
+    worker.start(KVConnectMeta(offload_loads=[load]))
+    try:
+        assert _ended(worker, "r") == {5, 6, 7}
+    finally:
+        worker.shutdown()
+
+
+def test_a_fetch_that_filled_every_block_reports_none_invalid() -> None:
+    worker = _worker(_Chain(raises=False))
+    load = OffloadLoad(block_ids=[5, 6], slots=[0, 1], request_id="ok", fetch_keys=[b"a"], fetch_from=1)
+    worker.start(KVConnectMeta(offload_loads=[load]))
+    try:
+        assert _ended(worker, "ok") == set()
+    finally:
+        worker.shutdown()
