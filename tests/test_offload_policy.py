@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st

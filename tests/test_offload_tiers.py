@@ -26,6 +26,7 @@ from kvconnect.offload import OffloadConnector
 from kvconnect.offload.tiers import PoolView
 from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.offload.tiers.disk import SUFFIX, DiskTier
+from kvconnect.offload.tiers.fileio import IOV_MAX, read_all, write_all
 from kvconnect.offload.tiers.integrity import page_checksums, slot_checksums
 from kvconnect.offload.tiers.local_store import LocalStore
 from kvconnect.offload.tiers.store import StoreTier
@@ -92,6 +93,20 @@ def test_checksum_of_pool_slots_equals_checksum_of_gathered_pages():
     slots = np.array([5, 0, 7])
     keys = [b"a" * 16, b"b" * 16, b"c" * 16]
     assert (slot_checksums(keys, pool, slots) == page_checksums(keys, pool.gather(slots))).all()
+
+
+def test_vectored_file_io_moves_more_buffers_than_one_call_takes_and_stops_at_the_end(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 3 * IOV_MAX * 7 + 5, dtype=np.uint8)
+    views = [memoryview(data[i:i + 7]) for i in range(0, data.size, 7)]  # > IOV_MAX buffers, uneven last
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        write_all(fd, views, 4096)
+        back = np.zeros(data.size + 100, dtype=np.uint8)  # asks for more than the file holds
+        got = read_all(fd, [memoryview(back[i:i + 9]) for i in range(0, back.size, 9)], 4096)
+    finally:
+        os.close(fd)
+    assert got == data.size and bytes(back[:got]) == data.tobytes()
+    assert (tmp_path / "f").stat().st_size == 4096 + data.size
 
 
 # ---- disk tier ----

@@ -208,14 +208,14 @@ def test_wildcard_bind_is_refused_without_opt_in(host: str) -> None:
 
 
 def test_wildcard_bind_with_opt_in_warns_that_it_is_unauthenticated(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvconnect.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvconnect.sidechannel.server"):
         with serve(host="0.0.0.0", allow_wildcard=True) as srv:
             assert_serves(srv)
     assert any("unauthenticated" in r.getMessage() for r in caplog.records)
 
 
 def test_authenticated_or_loopback_listeners_do_not_warn(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvconnect.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvconnect.sidechannel.server"):
         with serve(host="0.0.0.0", allow_wildcard=True, secret=SECRET):
             pass
         with serve():

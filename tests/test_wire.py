@@ -425,6 +425,34 @@ def test_reply_mac_is_bound_to_the_request_nonce() -> None:
     assert reply_mac(key, 1, b"a" * 16, b"body") != request_mac(key, 1, b"a" * 16, 0.0, b"body")
 
 
+def test_bytes_on_the_wire_are_those_of_this_protocol_version() -> None:
+    # A peer of the same PROTOCOL_VERSION must read these bytes: changing them means bumping the version.
+    assert wire.PROTOCOL_VERSION == 4
+    assert wire.REQUEST.encode(wire.HandshakeRequest(rank=3)) == b"\x82\xa4kind\xa8metadata\xa4rank\x03"
+    assert wire.REQUEST.encode(Done(engine_id="e", rank=1, request_ids=("r",))) == \
+        b"\x85\xa4kind\xa4done\xabrequest_ids\x91\xa1r\xa7readers\x01\xa9engine_id\xa1e\xa4rank\x01"
+    params = TransferParams(engine_id="e", host="h", port=1, request_id="r", block_ids=[[1, 2]], num_tokens=3,
+                            lease_expiry=5.0, incarnation="i", ranks=(wire.RankAddr(host="h", port=1, incarnation="i"),))
+    assert wire.TRANSFER_PARAMS.encode(params) == (
+        b"\x89\xa9engine_id\xa1e\xa4host\xa1h\xa4port\x01\xaarequest_id\xa1r\xa9block_ids\x91\x92\x01\x02"
+        b"\xaanum_tokens\x03\xaclease_expiry\xcb@\x14\x00\x00\x00\x00\x00\x00\xabincarnation\xa1i"
+        b"\xa5ranks\x91\x93\xa1h\x01\xa1i")
+
+
+def test_every_public_name_of_the_wire_modules_is_reachable_as_wire_name() -> None:
+    import importlib
+
+    for name in wire.__all__:
+        assert hasattr(wire, name), name
+    for path in sorted((PACKAGE / "wire").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"kvconnect.wire.{path.stem}")
+        own = [n for n, v in vars(module).items() if not n.startswith("_") and getattr(v, "__module__", None) ==
+               module.__name__ and callable(v)]
+        assert set(own) <= set(wire.__all__), (path.name, sorted(set(own) - set(wire.__all__)))
+
+
 def test_process_incarnation_is_stable_and_fresh_after_fork() -> None:
     first = wire.process_incarnation()
     assert first == wire.process_incarnation()
@@ -533,8 +561,8 @@ def test_no_kvconnect_module_uses_an_object_serializer_that_executes_code() -> N
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("name", ["wire.py", "sidechannel/server.py", "sidechannel/client.py",
-                                  "sidechannel/auth.py"])
+@pytest.mark.parametrize("name", [*(f"wire/{p.name}" for p in sorted((PACKAGE / "wire").glob("*.py"))),
+                                  "sidechannel/server.py", "sidechannel/client.py", "sidechannel/auth.py"])
 def test_network_facing_modules_guard_nothing_with_assert(name: str) -> None:
     tree = ast.parse((PACKAGE / name).read_text())
     lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]

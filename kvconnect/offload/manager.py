@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -78,12 +78,6 @@ class OffloadStats:
     def bytes_moved(self) -> int:
         """Bytes copied in both directions by completed jobs."""
         return self.bytes_stored + self.bytes_loaded
-
-    @property
-    def hit_rate(self) -> float:
-        """Looked-up blocks that were hits, 0 when nothing was looked up."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 class OffloadManager:

@@ -16,59 +16,57 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import msgspec
 
+from kvconnect.proxy.bodies import prefill_body
+from kvconnect.proxy.config import COMPLETIONS
 from kvconnect.proxy.errors import ProxyError
 from kvconnect.proxy.pool import Instance, NoInstanceError
-
-if TYPE_CHECKING:
-    from kvconnect.proxy.app import Router
+from kvconnect.proxy.upstream import Upstream
 
 log = logging.getLogger("kvconnect.proxy")
 
-COMPLETIONS = "/v1/completions"
 
-
-async def start(router: Router, route: str, prefill_body: dict[str, Any], headers: dict[str, str],
+async def start(up: Upstream, route: str, body: dict[str, Any], headers: dict[str, str],
                 deadline: float) -> dict[str, Any]:
     """Send the prefill half in the background; return the kv_transfer_params of the decode half."""
     try:
-        inst = router.prefill.acquire()
+        inst = up.prefill.acquire()
     except NoInstanceError as exc:
         raise ProxyError(503, str(exc), "service_unavailable") from None
     try:
-        where = await identify(router, inst, prefill_body.get("model"), headers, deadline)
+        where = await identify(up, inst, body.get("model"), headers, deadline)
     except BaseException:
-        router.prefill.release(inst, ok=False)
+        up.prefill.release(inst, ok=False)
         raise
     key = uuid.uuid4().hex
-    body = dict(prefill_body, kv_transfer_params={"do_remote_decode": True, "push_key": key})
-    task = asyncio.create_task(_prefill(router, inst, route, body, headers, deadline))
-    router.background.add(task)
-    task.add_done_callback(router.background.discard)
+    pre = dict(prefill_body(body, route), kv_transfer_params={"do_remote_decode": True, "push_key": key})
+    task = asyncio.create_task(_prefill(up, inst, route, pre, headers, deadline))
+    up.background.add(task)
+    task.add_done_callback(up.background.discard)
     return {"do_remote_prefill": True, "push_key": key, "remote_engine_id": where["remote_engine_id"],
             "remote_host": where["remote_host"], "remote_port": where["remote_port"]}
 
 
-async def identify(router: Router, inst: Instance, model: Any, headers: dict[str, str],
+async def identify(up: Upstream, inst: Instance, model: Any, headers: dict[str, str],
                    deadline: float) -> dict[str, Any]:
     """Where a prefill instance's side channel listens (asked once, then kept)."""
-    known = router.identities.get(inst.url)
+    known = up.identities.get(inst.url)
     if known is not None:
         return known
     body = {"prompt": [0], "max_tokens": 1, "kv_transfer_params": {"kvconnect_identify": True}}
     if model is not None:
         body["model"] = model
     try:
-        resp = await router.client.post(inst.url + COMPLETIONS, json=body, headers=headers,
-                                        timeout=router._timeout(min(deadline - time.monotonic(),
-                                                                    router.config.connect_timeout_s * 6)))
+        resp = await up.client.post(inst.url + COMPLETIONS, json=body, headers=headers,
+                                    timeout=up.timeout(min(deadline - time.monotonic(),
+                                                           up.config.connect_timeout_s * 6)))
     except httpx.HTTPError as exc:
-        router._mark(router.prefill, inst, False, f"identify: {type(exc).__name__}: {exc}")
-        router.metrics.failures.labels("prefill", inst.url, "connect").inc()
+        up.mark(up.prefill, inst, False, f"identify: {type(exc).__name__}: {exc}")
+        up.metrics.failures.labels("prefill", inst.url, "connect").inc()
         raise ProxyError(502, f"prefill instance {inst.url} did not say where it listens: "
                               f"{type(exc).__name__}: {exc}") from None
     try:
@@ -76,35 +74,35 @@ async def identify(router: Router, inst: Instance, model: Any, headers: dict[str
     except (ValueError, AttributeError):
         params = {}
     if resp.status_code != 200 or not {"remote_host", "remote_port", "remote_engine_id"} <= set(params):
-        router.metrics.failures.labels("prefill", inst.url, "no_params").inc()
+        up.metrics.failures.labels("prefill", inst.url, "no_params").inc()
         raise ProxyError(502, f"prefill instance {inst.url} did not say where it listens (answer "
                               f"{resp.status_code}): is it running a kvconnect connector?")
     if params.get("mode") != "push" or params.get("tp_size", 1) != 1:
         raise ProxyError(502, f"prefill instance {inst.url} cannot serve push mode (mode {params.get('mode')!r}, "
                               f"TP {params.get('tp_size')}): set mode \"push\" in its kv_connector_extra_config "
                               "(push runs between TP-1 instances), or run the router in pull mode")
-    router.identities[inst.url] = params
+    up.identities[inst.url] = params
     return params
 
 
-async def _prefill(router: Router, inst: Instance, route: str, body: dict[str, Any], headers: dict[str, str],
+async def _prefill(up: Upstream, inst: Instance, route: str, body: dict[str, Any], headers: dict[str, str],
                    deadline: float) -> None:
     """The prefill half: its answer is only read, to count it and to report a failure."""
     t0, ok = time.monotonic(), False
     try:
-        resp = await router.client.post(inst.url + route, content=msgspec.json.encode(body),
-                                        headers={**headers, "content-type": "application/json"},
-                                        timeout=router._timeout(deadline - time.monotonic()))
+        resp = await up.client.post(inst.url + route, content=msgspec.json.encode(body),
+                                    headers={**headers, "content-type": "application/json"},
+                                    timeout=up.timeout(deadline - time.monotonic()))
         ok = resp.status_code == 200
         if not ok:
-            router.metrics.failures.labels("prefill", inst.url, "status").inc()
+            up.metrics.failures.labels("prefill", inst.url, "status").inc()
             log.warning("kvconnect proxy: push prefill of request %s on %s answered %d: %s",
                         headers.get("x-request-id"), inst.url, resp.status_code, resp.text[:300])
     except httpx.HTTPError as exc:
-        router.metrics.failures.labels("prefill", inst.url, "protocol").inc()
+        up.metrics.failures.labels("prefill", inst.url, "protocol").inc()
         log.warning("kvconnect proxy: push prefill of request %s on %s failed: %s: %s",
                     headers.get("x-request-id"), inst.url, type(exc).__name__, exc)
     finally:
-        router.prefill.release(inst, ok=ok)
+        up.prefill.release(inst, ok=ok)
         if ok:
-            router.metrics.prefill_seconds.observe(time.monotonic() - t0)
+            up.metrics.prefill_seconds.observe(time.monotonic() - t0)

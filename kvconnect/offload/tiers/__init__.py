@@ -2,8 +2,9 @@
 
 `base.Tier` is the interface (pages move between a tier and the host pool's slots, a batch at a
 time), `integrity` the per-page checksum every tier stores and checks, `disk.DiskTier` and
-`store.StoreTier` the two tiers, `chain.TierChain` the asynchronous copies down (after a host store)
-and up (a promotion on a hit below the host pool).
+`store.StoreTier` the two tiers (`batchfile` is the disk tier's file format, `fileio` its vectored
+reads and writes; `local_store` a stand-in Mooncake Store for one host), `chain.TierChain` the
+asynchronous copies down (after a host store) and up (a promotion on a hit below the host pool).
 """
 
 from kvconnect.offload.tiers.base import PoolView, Tier, TierStats, leading

@@ -1,12 +1,9 @@
 """The local-disk tier: pages written a batch per file under one directory, with a byte budget.
 
-A batch file is a header, a table of keys and checksums, then the pages region by region (every
-page's row of region 0, then of region 1, ...), so a run of slots moves with one call per region
-straight between the pool and the file, never through a staging copy. It is written to `*.tmp` and renamed when complete, so a
-crash leaves either a whole file or a leftover `.tmp` that the next start deletes; no fsync, because
-what the OS had not written when the power went fails its checksum and reads as a miss. At start the
-tier reads every file's header and table and finds its pages again (a restarted engine keeps its
-prefixes). Files of another layout or namespace (another model, salt or block size) are left alone.
+Each put writes one batch file (`batchfile` holds its format); a crash leaves either a whole file or
+a leftover `.tmp` that the next start deletes. At start the tier reads every file's header and table
+and finds its pages again (a restarted engine keeps its prefixes). Files of another layout or
+namespace (another model, salt or block size) are left alone.
 
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:
@@ -29,51 +26,15 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect.errors import KVConnectError
-from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers.base import PoolView, Tier
+from kvconnect.offload.tiers.batchfile import (
+    SUFFIX, TRUNCATED, encode_head, file_name, file_number, read_run, read_table, write_batch,
+)
 from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 
+__all__ = ["SUFFIX", "DiskTier"]
+
 log = logging.getLogger("kvconnect.offload.disk")
-
-MAGIC = b"KVCTIER1"
-# magic, namespace (16 bytes), page bytes, pages, key bytes
-_HEADER = struct.Struct("<8s16sQQQ")
-_ALIGN = 4096
-SUFFIX = ".kvt"
-IOV_MAX = 1024
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-@dataclass
-class _Table:
-    """What a batch file's header and key table say, for a file that is whole."""
-
-    keys: list[bytes]
-    sums: np.ndarray
-    data_offset: int
-    size: int
-
-
-_TRUNCATED = _Table([], np.empty(0, dtype=np.uint64), 0, 0)
-
-
-def _read_table(path: Path, ns: bytes, page_bytes: int) -> _Table | None:
-    """The file's keys and checksums; None for another namespace or page size, _TRUNCATED if cut short."""
-    with open(path, "rb") as f:
-        magic, file_ns, size, count, key_bytes = _HEADER.unpack(f.read(_HEADER.size))
-        if magic != MAGIC or file_ns != ns or size != page_bytes:
-            return None
-        raw = f.read(count * (key_bytes + 8))
-        file_size = os.fstat(f.fileno()).st_size
-    data_offset = _aligned(_HEADER.size + count * (key_bytes + 8))
-    if len(raw) != count * (key_bytes + 8) or file_size < data_offset + count * page_bytes:
-        return _TRUNCATED
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(count, key_bytes + 8)
-    return _Table([rows[i, :key_bytes].tobytes() for i in range(count)],
-                  rows[:, key_bytes:].copy().view("<u8").ravel(), data_offset, file_size)
 
 
 @dataclass
@@ -140,7 +101,7 @@ class DiskTier(Tier):
         self._ns = namespace_of(self.namespace, pool.page_bytes)
         for leftover in self.path.glob(f"*{SUFFIX}.tmp"):
             leftover.unlink(missing_ok=True)
-        found = sorted(self.path.glob(f"*{SUFFIX}"), key=lambda p: self._file_number(p))
+        found = sorted(self.path.glob(f"*{SUFFIX}"), key=file_number)
         for path in found:
             self._adopt(path)
         self._recount()
@@ -155,12 +116,12 @@ class DiskTier(Tier):
         """Keys held by the batch files under `path` for this namespace and page size (a scheduler's index)."""
         ns = namespace_of(namespace, page_bytes)
         keys: set[bytes] = set()
-        for file in sorted(Path(path).glob(f"*{SUFFIX}"), key=DiskTier._file_number):
+        for file in sorted(Path(path).glob(f"*{SUFFIX}"), key=file_number):
             try:
-                table = _read_table(file, ns, page_bytes)
+                table = read_table(file, ns, page_bytes)
             except (OSError, struct.error):
                 continue
-            if table is not None and table is not _TRUNCATED:
+            if table is not None and table is not TRUNCATED:
                 keys.update(table.keys)
         return keys
 
@@ -176,25 +137,18 @@ class DiskTier(Tier):
             self._added, self._gone = [], []
         return out
 
-    @staticmethod
-    def _file_number(path: Path) -> int:
-        try:
-            return int(path.name[: -len(SUFFIX)], 16)
-        except ValueError:
-            return -1
-
     def _adopt(self, path: Path) -> None:
-        number = self._file_number(path)
+        number = file_number(path)
         if number < 0:
             return
         try:
-            table = _read_table(path, self._ns, self._pool.page_bytes)
+            table = read_table(path, self._ns, self._pool.page_bytes)
         except (OSError, struct.error):
             log.warning("disk tier: skipping unreadable batch file %s", path)
             return
         if table is None:
             return  # another layout or model: not ours to read or delete
-        if table is _TRUNCATED:
+        if table is TRUNCATED:
             log.warning("disk tier: deleting truncated batch file %s", path)
             path.unlink(missing_ok=True)
             return
@@ -224,23 +178,18 @@ class DiskTier(Tier):
         new_keys = [k for k, f in zip(keys, fresh) if f]
         new_slots = slots[fresh]
         sums = slot_checksums(new_keys, pool, new_slots)
-        key_bytes = len(new_keys[0])
-        if any(len(k) != key_bytes for k in new_keys):
+        if any(len(k) != len(new_keys[0]) for k in new_keys):
             raise KVConnectError("disk tier keys must all have one length")
-        table = np.empty((len(new_keys), key_bytes + 8), dtype=np.uint8)
-        table[:, :key_bytes] = np.frombuffer(b"".join(new_keys), dtype=np.uint8).reshape(-1, key_bytes)
-        table[:, key_bytes:] = sums.astype("<u8").view(np.uint8).reshape(-1, 8)
-        header = _HEADER.pack(MAGIC, self._ns, pool.page_bytes, len(new_keys), key_bytes)
-        data_offset = _aligned(len(header) + table.nbytes)
+        head, data_offset = encode_head(self._ns, pool.page_bytes, new_keys, sums)
         nbytes = len(new_keys) * pool.page_bytes
         size = data_offset + nbytes
         with self._lock:
             number = self._next
             self._next += 1
             self._evict(size)
-        path = self.path / f"{number:016x}{SUFFIX}"
+        path = self.path / file_name(number)
         try:
-            self._write(path, header + table.tobytes(), data_offset, pool, new_slots)
+            write_batch(path, head, data_offset, pool, new_slots)
         except OSError as exc:
             self._count("store_failed", len(new_keys))
             if self._store_error != exc.strerror:
@@ -263,23 +212,6 @@ class DiskTier(Tier):
         self._count("stored", len(new_keys), nbytes)
         ok[fresh] = True
         return ok
-
-    @staticmethod
-    def _write(path: Path, head: bytes, data_offset: int, pool: PoolView, slots: np.ndarray) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, [memoryview(head.ljust(data_offset, b"\0"))], 0)
-                # Region by region, straight from the pool: one call per region, a buffer per run of slots.
-                for rows, offset in zip(pool.rows, _region_offsets(pool, data_offset, slots.size)):
-                    _write_all(fd, _run_views(rows, slots), offset)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)  # visible only once complete
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
     def _evict(self, incoming: int) -> None:
         """Delete the oldest files until `incoming` more bytes fit the budget (lock held)."""
@@ -340,11 +272,7 @@ class DiskTier(Tier):
             # Runs of consecutive pages in the file: one read per region and run, a buffer per run of slots.
             breaks = np.flatnonzero(np.diff(in_file) != 1) + 1
             for run in np.split(np.arange(positions.size), breaks):
-                first, got_pages = int(in_file[run[0]]), run.size
-                for rows, offset in zip(pool.rows, _region_offsets(pool, f.data_offset, f.count)):
-                    width = rows.shape[1]
-                    got = _read_all(fd, _run_views(rows, dst[run]), offset + first * width)
-                    got_pages = min(got_pages, got // width)
+                got_pages = read_run(fd, pool, f.data_offset, f.count, int(in_file[run[0]]), dst[run])
                 whole[run[:got_pages]] = True
         finally:
             os.close(fd)
@@ -394,50 +322,3 @@ class DiskTier(Tier):
         with self._lock:
             return self._bytes
 
-
-def _region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
-    """Where each region's rows start in a batch file of `count` pages (regions one after another)."""
-    before = np.concatenate(([0], np.cumsum(pool.row_bytes)[:-1])).astype(np.int64)
-    return (data_offset + count * before).tolist()
-
-
-def _run_views(rows: np.ndarray, slots: np.ndarray) -> list[memoryview]:
-    """One buffer per run of consecutive slots in `rows` (a fresh pool hands out runs)."""
-    _, first, count = slot_runs(slots)
-    return [memoryview(rows[a:a + n]).cast("B") for a, n in zip(first.tolist(), count.tolist())]
-
-
-def _write_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """pwritev until every byte is written (the kernel may write less, and takes at most IOV_MAX buffers)."""
-    for i in range(0, len(views), IOV_MAX):
-        chunk = views[i:i + IOV_MAX]
-        left = sum(v.nbytes for v in chunk)
-        while left:
-            n = os.pwritev(fd, chunk, offset)
-            offset, left = offset + n, left - n
-            chunk = _advance(chunk, n)
-
-
-def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """preadv until the buffers are full or the file ends; bytes read."""
-    total = 0
-    for i in range(0, len(views), IOV_MAX):
-        chunk = views[i:i + IOV_MAX]
-        left = sum(v.nbytes for v in chunk)
-        while left:
-            n = os.preadv(fd, chunk, offset)
-            if n == 0:
-                return total
-            offset, left, total = offset + n, left - n, total + n
-            chunk = _advance(chunk, n)
-    return total
-
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers after the first `n` bytes."""
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views = views[1:]
-    if views and n:
-        views = [views[0][n:], *views[1:]]
-    return views

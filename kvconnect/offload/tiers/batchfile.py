@@ -1,0 +1,126 @@
+"""The disk tier's batch file: one file per stored batch of pages, and how it is written and read.
+
+A batch file is a header, a table of keys and checksums, then the pages region by region (every
+page's row of region 0, then of region 1, ...), so a run of slots moves with one call per region
+straight between the pool and the file, never through a staging copy. It is written to `*.tmp` and
+renamed when complete, so a crash leaves either a whole file or a leftover `.tmp`; no fsync, because
+what the OS had not written when the power went fails its checksum and reads as a miss.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from kvconnect.offload.mover import slot_runs
+from kvconnect.offload.tiers.base import PoolView
+from kvconnect.offload.tiers.fileio import read_all, write_all
+
+MAGIC = b"KVCTIER1"
+# magic, namespace (16 bytes), page bytes, pages, key bytes
+HEADER = struct.Struct("<8s16sQQQ")
+ALIGN = 4096
+SUFFIX = ".kvt"
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to the alignment of the pages in a batch file."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def file_name(number: int) -> str:
+    """The name of batch file `number` (hex, so that names sort as numbers do)."""
+    return f"{number:016x}{SUFFIX}"
+
+
+def file_number(path: Path) -> int:
+    """The number in a batch file's name; -1 for a name that is not one."""
+    try:
+        return int(path.name[: -len(SUFFIX)], 16)
+    except ValueError:
+        return -1
+
+
+@dataclass
+class Table:
+    """What a batch file's header and key table say, for a file that is whole."""
+
+    keys: list[bytes]
+    sums: np.ndarray
+    data_offset: int
+    size: int
+
+
+TRUNCATED = Table([], np.empty(0, dtype=np.uint64), 0, 0)
+
+
+def read_table(path: Path, ns: bytes, page_bytes: int) -> Table | None:
+    """The file's keys and checksums; None for another namespace or page size, TRUNCATED if cut short."""
+    with open(path, "rb") as f:
+        magic, file_ns, size, count, key_bytes = HEADER.unpack(f.read(HEADER.size))
+        if magic != MAGIC or file_ns != ns or size != page_bytes:
+            return None
+        raw = f.read(count * (key_bytes + 8))
+        file_size = os.fstat(f.fileno()).st_size
+    data_offset = aligned(HEADER.size + count * (key_bytes + 8))
+    if len(raw) != count * (key_bytes + 8) or file_size < data_offset + count * page_bytes:
+        return TRUNCATED
+    rows = np.frombuffer(raw, dtype=np.uint8).reshape(count, key_bytes + 8)
+    return Table([rows[i, :key_bytes].tobytes() for i in range(count)],
+                 rows[:, key_bytes:].copy().view("<u8").ravel(), data_offset, file_size)
+
+
+def encode_head(ns: bytes, page_bytes: int, keys: Sequence[bytes], sums: np.ndarray) -> tuple[bytes, int]:
+    """(header and key table, where the pages start) of a batch file of `keys`, all of one length."""
+    key_bytes = len(keys[0])
+    table = np.empty((len(keys), key_bytes + 8), dtype=np.uint8)
+    table[:, :key_bytes] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, key_bytes)
+    table[:, key_bytes:] = sums.astype("<u8").view(np.uint8).reshape(-1, 8)
+    head = HEADER.pack(MAGIC, ns, page_bytes, len(keys), key_bytes) + table.tobytes()
+    return head, aligned(len(head))
+
+
+def write_batch(path: Path, head: bytes, data_offset: int, pool: PoolView, slots: np.ndarray) -> None:
+    """Write a batch file of the pages of `slots` under a temporary name, then rename it into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            write_all(fd, [memoryview(head.ljust(data_offset, b"\0"))], 0)
+            # Region by region, straight from the pool: one call per region, a buffer per run of slots.
+            for rows, offset in zip(pool.rows, region_offsets(pool, data_offset, slots.size)):
+                write_all(fd, run_views(rows, slots), offset)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)  # visible only once complete
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_run(fd: int, pool: PoolView, data_offset: int, count: int, first: int, dst: np.ndarray) -> int:
+    """Read pages `first`, `first + 1`, ... of a batch file of `count` pages into slots `dst`; how many
+    of them arrived whole (fewer when the file ends early)."""
+    got_pages = dst.size
+    for rows, offset in zip(pool.rows, region_offsets(pool, data_offset, count)):
+        width = rows.shape[1]
+        got = read_all(fd, run_views(rows, dst), offset + first * width)
+        got_pages = min(got_pages, got // width)
+    return got_pages
+
+
+def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
+    """Where each region's rows start in a batch file of `count` pages (regions one after another)."""
+    before = np.concatenate(([0], np.cumsum(pool.row_bytes)[:-1])).astype(np.int64)
+    return (data_offset + count * before).tolist()
+
+
+def run_views(rows: np.ndarray, slots: np.ndarray) -> list[memoryview]:
+    """One buffer per run of consecutive slots in `rows` (a fresh pool hands out runs)."""
+    _, first, count = slot_runs(slots)
+    return [memoryview(rows[a:a + n]).cast("B") for a, n in zip(first.tolist(), count.tolist())]
