@@ -19,12 +19,15 @@ from kvconnect import wire
 from kvconnect.compat import layers_digest
 from kvconnect.errors import KVConnectError
 from kvconnect.layout import KVCacheLayout
-from kvconnect.pd.consumer import Consumer, LoadFailure
+from kvconnect.pd.consumer import Consumer
+from kvconnect.pd.failure import LoadFailure
 from kvconnect.pd.keeper import LeaseKeeper
-from kvconnect.pd.offers import Offers, PrefillAddr
+from kvconnect.pd.fence import Fence
 from kvconnect.pd.producer import Producer
+from kvconnect.pd.push_role import PushRole
 from kvconnect.pd.pusher import Pusher
-from kvconnect.regions import KVGroup, RegionSet, resolve_groups
+from kvconnect.kvgroups import KVGroup, resolve_groups
+from kvconnect.regions import RegionSet
 from kvconnect.shards import PageShards, Segment, check_page, global_bytes
 from kvconnect.sidechannel.addresses import check_bind, is_wildcard
 from kvconnect.threads import unpinned
@@ -152,8 +155,7 @@ class KVConnector:
         self.metadata: wire.EngineMetadata | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        self.pusher: Pusher | None = None
-        self.offers: Offers | None = None
+        self.push_role: PushRole | None = None
         self._keeper: LeaseKeeper | None = None
 
     # ---- set-up ----
@@ -175,24 +177,23 @@ class KVConnector:
         # In a thread free of the engine's CPU binding: the libraries' threads started here inherit it.
         transport = unpinned(lambda: self._register(regions))
         self._transport, self.regions, self.group_regions = transport, regions, group_regions
-        self._region_of = {name: k for k, r in enumerate(regions) for name in r.names}
-        self._saved: set[str] = set()  # layer-wise push: layers of the running forward pass already computed
         self.metadata = self._metadata(transport, regions, _dtype_name(kv_caches))
         if cfg.role in ("consumer", "both") or cfg.push:
             self.consumer = Consumer(engine_id=cfg.engine_id, transport=transport, regions=regions,
                                      expect=self.metadata.compat, group_regions=group_regions, rank=cfg.rank,
                                      world_size=cfg.world_size, secret=cfg.secret, load_timeout_s=cfg.load_timeout_s,
                                      handshake_timeout_s=cfg.handshake_timeout_s)
-        if cfg.push:
-            self.pusher = Pusher(self.consumer, wait_s=cfg.lease_s)
+        pusher = Pusher(self.consumer, wait_s=cfg.lease_s) if cfg.push else None
         if cfg.role in ("producer", "both") or cfg.push:
             self.producer = unpinned(lambda: Producer(
                 metadata=self.metadata, regions=regions, host=cfg.host, port=cfg.port,
                 advertise_host=cfg.advertise_host, secret=cfg.secret, allow_wildcard=cfg.allow_wildcard,
-                lease_s=cfg.lease_s, on_offer=self.pusher.offer if self.pusher else None))
-        if cfg.push:
-            self.offers = Offers(self.producer, engine_id=cfg.engine_id, rank=cfg.rank, world_size=cfg.world_size,
-                                 secret=cfg.secret, timeout_s=cfg.handshake_timeout_s)
+                lease_s=cfg.lease_s, on_offer=pusher.offer if pusher else None))
+        if pusher is not None:
+            self.push_role = PushRole(
+                consumer=self.consumer, producer=self.producer, pusher=pusher, regions=regions,
+                group_regions=group_regions, engine_id=cfg.engine_id, rank=cfg.rank, world_size=cfg.world_size,
+                secret=cfg.secret, timeout_s=cfg.handshake_timeout_s, load_timeout_s=cfg.load_timeout_s)
         return regions
 
     def _register(self, regions: RegionSet) -> Transport:
@@ -251,10 +252,15 @@ class KVConnector:
         """Producer: hold a finished prefill's blocks (one id list per KV group); returns its transfer params."""
         return self._producer().hold(request_id, block_ids, num_tokens)
 
+    def hold_blocks(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """Producer: `request_finished` for an engine that builds the transfer params itself (none built here)."""
+        self._producer().hold_lease(request_id, block_ids, num_tokens)
+
     def start_load(self, params: wire.TransferParams | Mapping[str, Any], local_block_ids: Sequence[Sequence[int]],
                    *args: Any, handle: str | None = None, timeout_s: float | None = None) -> str:
         """Consumer: pull the blocks `params` name into local block ids (a shorter local list pulls the suffix).
 
+        `params`: a `TransferParams` is taken as is, a mapping is parsed into one (WireError if malformed).
         The load reads, and then releases, the producer's lease `params.request_id`; `handle` (default:
         that same id) is the engine's name for it in `get_finished()` and `abort()`. Returns the handle.
         """
@@ -262,17 +268,18 @@ class KVConnector:
             raise TypeError("start_load(request_id, local_block_ids, params) is now start_load(params, "
                             "local_block_ids, handle=...): the lease read is params.request_id, and the engine's own "
                             "id, if it differs, goes in handle=")
+        params = parsed(params)
         if self._keeper is not None:
-            self._keeper.untrack(wire.checked_params(params).request_id)
+            self._keeper.untrack(params.request_id)
         return self._consumer().load(params, local_block_ids, handle=handle, timeout_s=timeout_s)
 
     def release_remote(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
         """Consumer: tell the producer to free a request's blocks without reading them (no handshake)."""
-        self._consumer().release(params)
+        self._consumer().release(parsed(params))
 
     def keep_alive(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
         """Consumer: heartbeat the producer's lease until `start_load` (or `release_remote`) for it."""
-        params = wire.checked_params(params)
+        params = parsed(params)
         consumer = self._consumer()
         if self._keeper is None:
             cfg = self.config
@@ -282,41 +289,25 @@ class KVConnector:
 
     def expect_push(self, key: str, prefill: tuple[str, int], local_block_ids: Sequence[Sequence[int]],
                     num_tokens: int, *, handle: str, timeout_s: float | None = None) -> None:
-        """Push-mode decode: offer these blocks to the prefill instance at (host, port) for the request the
-        router named `key`; reported in `get_finished()` as a load under `handle` once written or failed."""
-        if self.offers is None:
-            raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
-        self.offers.expect(key, PrefillAddr(*prefill), local_block_ids, num_tokens, handle=handle,
-                      timeout_s=timeout_s or self.config.load_timeout_s)
+        """Push-mode decode: `push_role.expect` (offer these blocks to the prefill at (host, port) for `key`)."""
+        self._push_role().expect(key, prefill, local_block_ids, num_tokens, handle=handle, timeout_s=timeout_s)
 
     def push(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None,
-             layerwise: bool = False) -> None:
-        """Push-mode prefill: this request's KV is computed into these blocks; write it into the blocks the
-        decode offers for `key` (now, or once offered). `handle` ends up in `get_finished().sending`.
+             layerwise: bool = False, fence: Fence | None = None) -> None:
+        """Push-mode prefill: `push_role.push` (write these blocks into those the decode offers for `key`)."""
+        self._push_role().push(key, block_ids, handle=handle, timeout_s=timeout_s, layerwise=layerwise, fence=fence)
 
-        `layerwise=True`, before the forward pass that completes the prompt: each region is written as
-        soon as `layers_saved` says its layers are computed; `forward_done()` after the pass sends the rest.
-        """
-        if self.pusher is None:
-            raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
-        self.pusher.ready(key, [self.regions.validate(ids, sel) for ids, sel in zip(block_ids, self.group_regions)],
-                          handle=handle, timeout_s=timeout_s, layerwise=layerwise)
+    def layers_saved(self, names: Sequence[str], fence: Fence | None = None) -> int:
+        """Layer-wise push: `push_role.layers_saved` (0 without push mode)."""
+        return 0 if self.push_role is None else self.push_role.layers_saved(names, fence)
 
-    def layers_saved(self, names: Sequence[str]) -> int:
-        """Layer-wise push: these layers' KV of the running forward pass is final; their regions may be written.
-        Returns how many regions went to WRITEs already running (0 when none was waiting for them)."""
-        if self.pusher is None or not self.pusher.streaming:
-            return 0
-        self._saved.update(names)
-        done = [k for name in names if (k := self._region_of.get(name)) is not None
-                and self._saved.issuperset(self.regions[k].names)]
-        return len(done) * self.pusher.regions_ready(done) if done else 0
+    def forward_done(self, fence: Fence | None = None) -> None:
+        """Layer-wise push: `push_role.forward_done`."""
+        if self.push_role is not None:
+            self.push_role.forward_done(fence)
 
-    def forward_done(self) -> None:
-        """Layer-wise push: the forward pass ended; every region of its pushes may be written."""
-        self._saved.clear()
-        if self.pusher is not None and self.pusher.streaming:
-            self.pusher.regions_ready(None)
+    pusher = property(lambda self: self.push_role and self.push_role.pusher, doc="`push_role.pusher`, or None.")
+    offers = property(lambda self: self.push_role and self.push_role.offers, doc="`push_role.offers`, or None.")
 
     def abort(self, request_id: str) -> None:
         """Give up on a request on either side: a held lease is released, a pending load or push fails."""
@@ -324,21 +315,21 @@ class KVConnector:
             self.producer.abort(request_id)
         if self.consumer is not None:
             self.consumer.abort(request_id)
-        if self.pusher is not None:
-            self.pusher.abort(request_id)
+        if self.push_role is not None:
+            self.push_role.abort(request_id)
 
     def get_finished(self) -> Finished:
         """Requests whose blocks were released (sending) and loads that finished or failed."""
-        out = Finished()
+        out, push = Finished(), self.push_role
         if self.producer is not None:
-            releases = self.producer.poll()
-            if self.offers is not None:
-                releases = self.offers.take(releases, out.loaded, out.failed, out.invalid_block_ids)
-            out.sending = [r.request_id for r in releases]
+            ends = self.producer.poll()
+            if push is not None:
+                ends = push.take_offers(ends, out.loaded, out.failed, out.invalid_block_ids)
+            out.sending = [e.request_id for e in ends]
         if self.consumer is not None:
             res = self.consumer.poll()
-            if self.pusher is not None:
-                pushes = self.pusher.take(res)
+            if push is not None:
+                pushes = push.take_pushes(res)
                 out.sending += pushes.pushed + list(pushes.failed)
                 out.push_failed = pushes.failed
             out.loaded += res.loaded
@@ -357,8 +348,8 @@ class KVConnector:
         """Stop the side channel and the consumer, then close the transport in order."""
         if self._keeper is not None:
             self._keeper.close()
-        if self.offers is not None:
-            self.offers.close()
+        if self.push_role is not None:
+            self.push_role.close()
         if self.consumer is not None:
             self.consumer.close()
         if self.producer is not None:
@@ -377,10 +368,22 @@ class KVConnector:
             raise KVConnectError(f"connector role {self.config.role!r} has no producer side (or not registered)")
         return self.producer
 
+    def _push_role(self) -> PushRole:
+        if self.push_role is None:
+            raise KVConnectError("push mode is off for this connector (ConnectorConfig(push=True))")
+        return self.push_role
+
     def _consumer(self) -> Consumer:
         if self.consumer is None:
             raise KVConnectError(f"connector role {self.config.role!r} has no consumer side (or not registered)")
         return self.consumer
+
+
+def parsed(params: wire.TransferParams | Mapping[str, Any]) -> wire.TransferParams:
+    """Transfer params as the struct: a `TransferParams` as is, a mapping parsed once (WireError if malformed)."""
+    if isinstance(params, wire.TransferParams):
+        return params
+    return wire.checked_params(dict(params) if isinstance(params, Mapping) else params)
 
 
 class NixlConnector(KVConnector):

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Iterator
 
 from kvconnect import wire
+from kvconnect.descriptors import Pairing, Selection
 from kvconnect.errors import TransferError
 from kvconnect.regions import BlockIds, RegionSet
 from kvconnect.shards import PageSlices
@@ -65,7 +66,8 @@ class FaultyTransport(Transport):
         """Delegated."""
         return self.inner.local_metadata()
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet | Pairing,
+                 slices: PageSlices | None = None) -> None:
         """Delegated."""
         self.inner.add_peer(peer_id, metadata, regions, slices)
 
@@ -73,16 +75,20 @@ class FaultyTransport(Transport):
         """Delegated."""
         self.inner.remove_peer(peer_id)
 
-    def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None) -> _Handle:
+    def post(self, op: str | Selection, peer_id: str, local_ids: BlockIds | None = None,
+             remote_ids: BlockIds | None = None, *, regions: RegionIndices = None) -> _Handle:
         """Raise while `fail_posts` says so, else post through `inner`."""
         if self.fail_posts:
             if self.fail_posts > 0:
                 self.fail_posts -= 1
-            raise TransferError(f"injected post failure ({op} with {peer_id})")
+            raise TransferError(f"injected post failure ({getattr(op, 'op', op)} with {peer_id})")
         handle = _Handle(self.inner.post(op, peer_id, local_ids, remote_ids, regions=regions), self._clock())
         self.posted += 1
         return handle
+
+    def failure_kind(self, handle: object) -> str:
+        """Delegated."""
+        return self.inner.failure_kind(_unwrap(handle).inner)
 
     def poll(self, handle: object) -> TransferState:
         """FAILED past `fail_poll_after` polls, PENDING during `delay_s`, else what `inner` says."""

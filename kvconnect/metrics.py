@@ -11,8 +11,6 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
-# Failure stages: where in a request's life it failed (the reason itself goes to the log line).
-STAGES = ("params", "handshake", "lease", "offer", "post", "transfer", "notify", "abort", "shutdown", "internal")
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -25,7 +23,10 @@ transfer_descriptors = Histogram(
     ["backend"], buckets=(1, 8, 64, 512, 4096, 16384, 65536, 262144, 1048576))
 handshake_seconds = Histogram("kvconnect_handshake_seconds", "Seconds to fetch and check a peer's metadata",
                               buckets=_SECONDS)
+# Stages are kvconnect.pd.failure.Stage values: where in a request's life it failed (the reason goes to the log).
 failures = Counter("kvconnect_failures", "Failed loads by stage", ["stage"])
+transfer_errors = Counter("kvconnect_transfer_errors", "Failed loads caused by a transport error, by its kind "
+                          "(unreachable, restarted, timeout, rejected, invalid, transfer)", ["kind"])
 leases_held = Gauge("kvconnect_leases_held", "Requests whose blocks a producer holds for consumers")
 leases_released = Counter("kvconnect_leases_released", "Producer leases ended, by how they ended", ["reason"])
 offload_hits = Counter("kvconnect_offload_hits", "Blocks found in the CPU tier by lookups")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvconnect.regions import KVGroup
+from kvconnect.kvgroups import KVGroup
 from kvconnect.layout import KVCacheLayout, MambaPage
 
 

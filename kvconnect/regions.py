@@ -1,13 +1,15 @@
-"""Registered KV-cache memory as regions, and block ids turned into transfer descriptors.
+"""Registered KV-cache memory as regions: the geometry of every block a worker can move.
 
 A region is base address + block count + bytes per block + block stride: whatever a layer holds
-(attention K/V pages, an MLA latent, a Mamba state page) is moved as opaque bytes. Descriptor arrays
-are `(N, 3)` uint64 rows `(addr, nbytes, device_id)`, built with numpy and never with a Python loop
-per block or per layer.
+(attention K/V pages, an MLA latent, a Mamba state page) is moved as opaque bytes. Layers that view
+the same blocks, or lie side by side in every block of one buffer, merge into one region. Turning
+block ids into transfer descriptors is `kvconnect.descriptors`' work; KV-cache groups are
+`kvconnect.kvgroups`'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -17,11 +19,11 @@ import numpy as np
 import torch
 
 from kvconnect import wire
-from kvconnect.errors import BlockRangeError, LayoutError
-from kvconnect.shards import PageShards, Segment, assign_shards
+from kvconnect.errors import LayoutError
+from kvconnect.kvgroups import KVGroup, resolve_groups  # noqa: F401  (re-exported: they lived here)
+from kvconnect.shards import PageShards, Segment
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
-_EMPTY = np.empty((0, 3), dtype=np.uint64)
 
 
 class MemoryKind(str, enum.Enum):
@@ -178,41 +180,8 @@ def _check_disjoint(regions: Sequence[Region]) -> None:
         raise LayoutError(f"layers {a.label} and {b.label} overlap in memory without being the same blocks")
 
 
-def _as_ids(block_ids: BlockIds, what: str = "block ids") -> np.ndarray:
-    """Block ids as a 1-D int64 array, refusing anything that is not an integer."""
-    if isinstance(block_ids, torch.Tensor):
-        block_ids = block_ids.detach().cpu().numpy()
-    arr = np.asarray(block_ids)
-    if arr.ndim != 1:
-        if arr.size == 0:
-            return np.empty(0, dtype=np.int64)
-        raise BlockRangeError(f"{what} must be a flat sequence, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.dtype.kind == "u":
-        if arr.max() > np.iinfo(np.int64).max:
-            pos = int(np.argmax(arr > np.iinfo(np.int64).max))
-            raise BlockRangeError(f"{what}: id {arr[pos]} at position {pos} is out of range")
-        return arr.astype(np.int64)
-    if arr.dtype.kind != "i":
-        values = list(block_ids) if isinstance(block_ids, (list, tuple)) else arr.tolist()
-        pos = next((p for p, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, int)), 0)
-        raise BlockRangeError(f"{what} must be integers: {values[pos]!r} at position {pos}")
-    return arr.astype(np.int64, copy=False)
-
-
-def _runs(ids: np.ndarray, *more: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Start positions and lengths of runs where every id sequence goes up by exactly one."""
-    step = np.diff(ids) != 1
-    for other in more:
-        step |= np.diff(other) != 1
-    starts = np.concatenate(([0], np.flatnonzero(step) + 1))
-    lengths = np.diff(np.append(starts, ids.size))
-    return starts, lengths
-
-
 class RegionSet:
-    """The regions one worker registered, and the descriptor math over them."""
+    """The regions one worker registered, with their geometry as numpy arrays (one entry per region)."""
 
     def __init__(self, regions: Sequence[Region]):
         self.regions: tuple[Region, ...] = tuple(regions)
@@ -220,13 +189,13 @@ class RegionSet:
             raise LayoutError("a RegionSet needs at least one region")
         _check_disjoint(self.regions)
         u64 = np.uint64
-        self._base = np.array([r.base_addr for r in self.regions], dtype=u64)
-        self._stride = np.array([r.block_stride for r in self.regions], dtype=u64)
-        self._bytes = np.array([r.block_bytes for r in self.regions], dtype=u64)
-        self._dev = np.array([r.device_id for r in self.regions], dtype=u64)
-        self._num_blocks = np.array([r.num_blocks for r in self.regions], dtype=np.int64)
-        self._contiguous = np.array([r.contiguous for r in self.regions], dtype=bool)
-        self._all = np.arange(len(self.regions))
+        self.base_addrs = _frozen([r.base_addr for r in self.regions], u64)
+        self.block_strides = _frozen([r.block_stride for r in self.regions], u64)
+        self.block_sizes = _frozen([r.block_bytes for r in self.regions], u64)
+        self.device_ids = _frozen([r.device_id for r in self.regions], u64)
+        self.block_counts = _frozen([r.num_blocks for r in self.regions], np.int64)
+        self.contiguous = _frozen([r.contiguous for r in self.regions], bool)
+        self._all = _frozen(range(len(self.regions)), np.int64)
         self._tensors: tuple[torch.Tensor, ...] = ()
 
     @classmethod
@@ -277,42 +246,24 @@ class RegionSet:
     @property
     def total_bytes(self) -> int:
         """Bytes of every block of every region."""
-        return int(np.sum(self._bytes * self._num_blocks.astype(np.uint64)))
+        return int(np.sum(self.block_sizes * self.block_counts.astype(np.uint64)))
 
-    def _select(self, regions: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    def indices(self, regions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """Region indices as int64 (None: every region), after checking each names a region of this set."""
         if regions is None:
             return self._all
-        sel = np.asarray(regions, dtype=np.int64).reshape(-1)
+        sel = np.array(regions, dtype=np.int64).reshape(-1)  # a copy: the caller cannot change it once checked
         if sel.size and (sel.min() < 0 or sel.max() >= len(self.regions)):
             raise LayoutError(f"region index out of range 0..{len(self.regions) - 1}: {sel.tolist()}")
+        if np.unique(sel).size != sel.size:  # a region named twice would move its blocks twice
+            raise LayoutError(f"a region index is named twice: {sel.tolist()}")
+        sel.flags.writeable = False
         return sel
 
-    def validate(self, block_ids: BlockIds, regions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-        """Block ids as int64 after checking each is inside every selected region, else BlockRangeError."""
-        ids = _as_ids(block_ids)
-        sel = self._select(regions)
-        if ids.size == 0 or sel.size == 0:
-            return ids
-        limits = self._num_blocks[sel]
-        smallest = int(np.argmin(limits))
-        bad = (ids < 0) | (ids >= limits[smallest])
-        if bad.any():
-            pos = int(np.argmax(bad))
-            region = self.regions[int(sel[smallest])]
-            raise BlockRangeError(
-                f"block id {int(ids[pos])} at position {pos} is out of range for region {region.label} "
-                f"(num_blocks={region.num_blocks})"
-            )
-        return ids
-
-    def descriptors(self, block_ids: BlockIds, regions: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-        """`(N, 3)` uint64 rows `(addr, nbytes, device_id)` for these blocks in the selected regions."""
-        ids = self.validate(block_ids, regions)
-        sel = self._select(regions)
-        if ids.size == 0 or sel.size == 0:
-            return _EMPTY.copy()
-        starts, lengths = _runs(ids)
-        return _build(self, sel, ids, starts, lengths, self._contiguous[sel])
+    def __getattr__(self, name: str) -> object:
+        if name in _MOVED_METHODS:
+            raise AttributeError(f"RegionSet.{name} moved: use {_MOVED_METHODS[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def registration(self) -> np.ndarray:
         """`(R, 3)` uint64 rows `(addr, nbytes, device_id)` covering every region once, overlaps merged."""
@@ -354,85 +305,43 @@ class RegionSet:
             raise wire.WireError(f"peer regions are invalid: {exc}") from None
 
 
-def _build(
-    rs: RegionSet, sel: np.ndarray, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, mergeable: np.ndarray
-) -> np.ndarray:
-    """Rows for the selected regions: one per run where `mergeable`, else one per block; region-major."""
-    if mergeable.all():
-        return _rows(rs, sel, ids[starts], lengths)
-    ones = np.ones_like(ids)
-    if not mergeable.any():
-        return _rows(rs, sel, ids, ones)
-    merged = _rows(rs, sel[mergeable], ids[starts], lengths)
-    single = _rows(rs, sel[~mergeable], ids, ones)
-    order = np.concatenate((np.repeat(np.flatnonzero(mergeable), starts.size),
-                            np.repeat(np.flatnonzero(~mergeable), ids.size)))
-    return np.concatenate((merged, single))[np.argsort(order, kind="stable")]
-
-
-def _rows(rs: RegionSet, sel: np.ndarray, first: np.ndarray, count: np.ndarray) -> np.ndarray:
-    out = np.empty((sel.size * first.size, 3), dtype=np.uint64)
-    first = first.astype(np.uint64)
-    count = count.astype(np.uint64)
-    out[:, 0] = (rs._base[sel, None] + first[None, :] * rs._stride[sel, None]).ravel()
-    out[:, 1] = (count[None, :] * rs._bytes[sel, None]).ravel()
-    out[:, 2] = np.repeat(rs._dev[sel], first.size)
+def _frozen(values, dtype) -> np.ndarray:
+    out = np.array(list(values), dtype=dtype)
+    out.flags.writeable = False
     return out
 
 
-def pair_descriptors(
-    local: RegionSet,
-    local_ids: BlockIds,
-    remote: RegionSet,
-    remote_ids: BlockIds,
-    regions: Sequence[int] | np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Matched local/remote descriptor arrays: row k of one moves to row k of the other."""
-    if len(local) != len(remote):
-        raise LayoutError(f"local has {len(local)} regions, remote has {len(remote)}")
-    sel = local._select(regions)
-    differ = np.flatnonzero(local._bytes[sel] != remote._bytes[sel])
-    if differ.size:
-        k = int(sel[differ[0]])
-        raise LayoutError(
-            f"region {k} ({local.regions[k].label}): local blocks are {local.regions[k].block_bytes} bytes, "
-            f"remote blocks are {remote.regions[k].block_bytes} bytes"
-        )
-    lids = local.validate(local_ids, sel)
-    rids = remote.validate(remote_ids, sel)
-    if lids.size != rids.size:
-        raise BlockRangeError(f"{lids.size} local block ids but {rids.size} remote block ids")
-    if lids.size == 0 or sel.size == 0:
-        return _EMPTY.copy(), _EMPTY.copy()
-    # A run is one descriptor only where it is back to back on both sides.
-    both = local._contiguous[sel] & remote._contiguous[sel]
-    starts, lengths = _runs(lids, rids)
-    return _build(local, sel, lids, starts, lengths, both), _build(remote, sel, rids, starts, lengths, both)
+_MOVED_METHODS = {"validate": "kvconnect.descriptors.check_ids(region_set, block_ids, regions)",
+                  "descriptors": "kvconnect.descriptors.block_rows(region_set, block_ids, regions)"}
 
 
-@dataclass(frozen=True)
-class KVGroup:
-    """One KV-cache group: the layers sharing its block table, its kind (compared, never interpreted)
-    and its tokens per block (default: the connector's `block_size`)."""
+def assign_shards(regions: list[Region], layers: Mapping[str, Region],
+                  shards: Mapping[str, PageShards]) -> list[Region]:
+    """Each region with its split: its layers' segments, shifted to where each layer's page starts in the block.
 
-    layers: tuple[str, ...]
-    label: str = "kv"
-    block_size: int | None = None
-
-
-def resolve_groups(regions: RegionSet, groups: Sequence[KVGroup] | None) -> list[list[int]]:
-    """Region indices per group: the regions holding each group's layers (a shared region in each)."""
-    if groups is None:
-        return [list(range(len(regions)))]
-    where = {name: k for k, r in enumerate(regions) for name in r.names}
+    Aliased layers (one memory, several names) must describe one split, or the region has none: it
+    then moves only between equal TP sizes.
+    """
+    unknown = sorted(set(shards) - set(layers))
+    if unknown:
+        raise LayoutError(f"shards describe layers that were not registered: {unknown[:5]}")
     out = []
-    for g, group in enumerate(groups):
-        missing = [n for n in group.layers if n not in where]
-        if missing or not group.layers:
-            raise LayoutError(f"group {g} ({group.label}) names layers that were not registered: {missing[:5]}")
-        out.append(sorted({where[n] for n in group.layers}))
-    named = {n for group in groups for n in group.layers}
-    unnamed = [n for n in where if n not in named]
-    if unnamed:
-        raise LayoutError(f"registered layers in no group (they would never move): {unnamed[:5]}")
+    for r in regions:
+        by_base: dict[int, set] = {}
+        for name in r.names:
+            segs = shards.get(name)
+            by_base.setdefault(layers[name].base_addr, set()).add(None if segs is None else tuple(segs))
+        if any(len(v) != 1 or None in v for v in by_base.values()):
+            out.append(r)
+            continue
+        segments = tuple(Segment(s.offset + base - r.base_addr, s.repeat, s.stride, s.unit, s.total)
+                         for base, v in sorted(by_base.items()) for s in next(iter(v)))
+        out.append(dataclasses.replace(r, shards=segments))
     return out
+
+
+def __getattr__(name: str) -> object:
+    """Names that moved out of this module fail with a message naming their new home."""
+    if name == "pair_descriptors":
+        raise ImportError("kvconnect.regions.pair_descriptors moved to kvconnect.descriptors.pair_descriptors")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

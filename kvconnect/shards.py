@@ -17,16 +17,13 @@ sides are contiguous. Pure functions of the two sides' segments, computed once p
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from kvconnect.errors import BlockRangeError, HandshakeError, LayoutError
-
-if TYPE_CHECKING:
-    from kvconnect.regions import Region, RegionSet
+from kvconnect.errors import HandshakeError, LayoutError
+from kvconnect.runs import runs
 
 # Rows of one page, over all its segments: a page is a few thousand bytes to a few MiB.
 MAX_ROWS_PER_PAGE = 1 << 16
@@ -174,20 +171,8 @@ def coalesce(local: np.ndarray, remote: np.ndarray, length: np.ndarray) -> tuple
     """Merge byte ranges that follow each other on both sides into one."""
     order = np.argsort(local, kind="stable")
     local, remote, length = local[order], remote[order], length[order]
-    starts, sizes = _runs(local, remote, length)
-    return local[starts], remote[starts], sizes
-
-
-def _runs(local: np.ndarray, remote: np.ndarray, length: np.ndarray,
-          same: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Where runs of ranges that follow each other on both sides (in the order given) start, and the
-    bytes of each run; `same[i]` False keeps ranges i and i+1 apart (another device)."""
-    joins = (local[:-1] + length[:-1] == local[1:]) & (remote[:-1] + length[:-1] == remote[1:])
-    if same is not None:
-        joins &= same
-    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    last = np.append(starts[1:], local.size) - 1
-    return starts, local[last] + length[last] - local[starts]
+    first, _ = runs(local, remote, step=length)
+    return local[first], remote[first], np.add.reduceat(length, first) if first.size else length[:0]
 
 
 def attention(tokens: int, heads: int, head_bytes: int, total_heads: int, heads_outer: bool) -> PageShards:
@@ -203,76 +188,14 @@ def replicated(page_bytes: int) -> PageShards:
     return (Segment(offset=0, repeat=1, stride=0, unit=page_bytes, total=1),)
 
 
-def assign_shards(regions: list[Region], layers: Mapping[str, Region],
-                  shards: Mapping[str, PageShards]) -> list[Region]:
-    """Each region with its split: its layers' segments, shifted to where each layer's page starts in the block.
-
-    Aliased layers (one memory, several names) must describe one split, or the region has none: it
-    then moves only between equal TP sizes.
-    """
-    unknown = sorted(set(shards) - set(layers))
-    if unknown:
-        raise LayoutError(f"shards describe layers that were not registered: {unknown[:5]}")
-    out = []
-    for r in regions:
-        by_base: dict[int, set] = {}
-        for name in r.names:
-            segs = shards.get(name)
-            by_base.setdefault(layers[name].base_addr, set()).add(None if segs is None else tuple(segs))
-        if any(len(v) != 1 or None in v for v in by_base.values()):
-            out.append(r)
-            continue
-        segments = tuple(Segment(s.offset + base - r.base_addr, s.repeat, s.stride, s.unit, s.total)
-                         for base, v in sorted(by_base.items()) for s in next(iter(v)))
-        out.append(dataclasses.replace(r, shards=segments))
-    return out
-
-
-# Per region index: (local byte offsets, peer byte offsets, lengths) inside one block (kvconnect.shards).
+# Per region index: (local byte offsets, peer byte offsets, lengths) inside one block, as `page_slices` gives them.
 PageSlices = Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
-
-def slice_descriptors(
-    local: RegionSet,
-    local_ids: np.ndarray,
-    remote: RegionSet,
-    remote_ids: np.ndarray,
-    slices: PageSlices,
-    regions: Sequence[int] | np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Matched descriptors for a peer that holds other byte ranges of each page (another TP size):
-    per selected region and block pair, the ranges `slices[region]` pairs; rows that follow each other
-    on both sides merge."""
-    sel = np.arange(len(local)) if regions is None else np.asarray(regions, dtype=np.int64).reshape(-1)
-    lids = local.validate(local_ids, sel)
-    rids = remote.validate(remote_ids, sel)
-    if lids.size != rids.size:
-        raise BlockRangeError(f"{lids.size} local block ids but {rids.size} remote block ids")
-    parts_l, parts_r = [], []
-    lu, ru = lids.astype(np.uint64), rids.astype(np.uint64)
-    for k in sel.tolist():  # one step per region: the blocks and ranges inside are numpy
-        lo, ro, ln = (np.asarray(a, dtype=np.uint64) for a in slices.get(k, (_NONE, _NONE, _NONE)))
-        if not ln.size or not lids.size:
-            continue
-        n = lids.size * ln.size
-        rows_l, rows_r = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
-        mine, theirs = local[k], remote[k]
-        rows_l[:, 0] = (np.uint64(mine.base_addr) + lu[:, None] * np.uint64(mine.block_stride) + lo[None, :]).ravel()
-        rows_r[:, 0] = (np.uint64(theirs.base_addr) + ru[:, None] * np.uint64(theirs.block_stride) + ro[None, :]).ravel()
-        rows_l[:, 1] = rows_r[:, 1] = np.tile(ln, lids.size)
-        rows_l[:, 2], rows_r[:, 2] = mine.device_id, theirs.device_id
-        parts_l.append(rows_l)
-        parts_r.append(rows_r)
-    if not parts_l:
-        return np.empty((0, 3), np.uint64), np.empty((0, 3), np.uint64)
-    rows_l, rows_r = np.concatenate(parts_l), np.concatenate(parts_r)
-    same = (rows_l[:-1, 2] == rows_l[1:, 2]) & (rows_r[:-1, 2] == rows_r[1:, 2])
-    starts, sizes = _runs(rows_l[:, 0], rows_r[:, 0], rows_l[:, 1], same)
-    if starts.size == rows_l.shape[0]:
-        return rows_l, rows_r
-    out_l, out_r = rows_l[starts], rows_r[starts]
-    out_l[:, 1] = out_r[:, 1] = sizes
-    return out_l, out_r
+_MOVED = {"assign_shards": "kvconnect.regions", "slice_descriptors": "kvconnect.descriptors"}
 
 
-_NONE = np.empty(0, dtype=np.uint64)
+def __getattr__(name: str) -> object:
+    """Names that moved out of this module fail with a message naming their new home."""
+    if name in _MOVED:
+        raise ImportError(f"kvconnect.shards.{name} moved to {_MOVED[name]}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from kvconnect.layout import KVCacheLayout, MambaPage
 from kvconnect.offload import OffloadConnector
 from kvconnect.offload.mover import region_rows
 from kvconnect.presets import PRESETS
-from kvconnect.regions import KVGroup
+from kvconnect.kvgroups import KVGroup
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8]
 GATE_S = 10.0  # bound on every test-side wait for a worker

@@ -128,7 +128,7 @@ def test_lease_expires_without_heartbeats_and_a_late_read_is_refused(producers, 
     assert ("late", "expired") in producer.call("releases")
     conn.start_load(params, [np.array([4, 5, 6])])
     res = wait_for(conn, ["late"])
-    assert "lease expired" in res.failed["late"]
+    assert res.failed["late"].stage == "lease" and "lease expired" in res.failed["late"].reason
     assert res.invalid_block_ids == {4, 5, 6}
     assert all(torch.equal(a, b) for a, b in zip(byte_rows(caches, conn), before)), "a refused read moved bytes"
 
@@ -153,7 +153,7 @@ def test_abort_on_the_producer_releases_blocks_and_refuses_the_read(producers, c
     assert producer.call("abort", "gone") is True
     assert producer.call("abort", "gone") is False  # released exactly once
     conn.start_load(params, [np.array([0, 1])])
-    assert "lease aborted" in wait_for(conn, ["gone"]).failed["gone"]
+    assert "lease aborted" in wait_for(conn, ["gone"]).failed["gone"].reason
     assert producer.call("releases").count(("gone", "aborted")) == 1
     assert producer.held_blocks() == 0
 
@@ -167,7 +167,7 @@ def test_abort_on_the_consumer_reports_failure_and_frees_the_producer(producers,
     time.sleep(0.5)
     conn.abort("cancel")
     res = wait_for(conn, ["cancel"], timeout=5.0)
-    assert "aborted" in res.failed["cancel"] and res.invalid_block_ids == {0, 1}
+    assert res.failed["cancel"].stage == "abort" and res.invalid_block_ids == {0, 1}
     assert producer.held_blocks() == 0
     assert ("cancel", "aborted") in producer.call("releases")
 
@@ -180,7 +180,7 @@ def test_remote_block_ids_out_of_range_are_rejected_before_posting(producers, co
     params["block_ids"] = [[1, 40]]  # past the producer's 32 blocks, as a garbled router might send
     conn.start_load(params, [np.array([0, 1])])
     res = wait_for(conn, ["bad"])
-    assert "block id 40" in res.failed["bad"] and not transport.posted
+    assert res.failed["bad"].stage == "params" and "block id 40" in res.failed["bad"].reason and not transport.posted
     assert producer.held_blocks() == 0  # the abort notice released the real request
 
 
@@ -198,7 +198,7 @@ def test_a_dead_side_channel_fails_the_load_within_the_handshake_deadline(consum
     with pytest.raises(KVConnectError, match="is being read by load 'x'; abort that load instead"):
         conn.release_remote(params)
     res = wait_for(conn, ["x"], timeout=5.0)
-    assert "handshake" in res.failed["x"] and time.monotonic() - t0 < 1.0 + 3.0
+    assert res.failed["x"].stage == "handshake" and time.monotonic() - t0 < 1.0 + 3.0
 
 
 def test_a_restarted_producer_is_re_handshaken_and_old_params_fail(producers, consumers) -> None:
@@ -216,7 +216,8 @@ def test_a_restarted_producer_is_re_handshaken_and_old_params_fail(producers, co
     assert second.incarnation != first.incarnation
     before = snapshot(caches, conn)
     conn.start_load(stale, [[3]])
-    assert "restarted" in wait_for(conn, ["stale"]).failed["stale"]
+    failure = wait_for(conn, ["stale"]).failed["stale"]
+    assert (failure.stage, failure.kind) == ("lease", "restarted") and "restarted" in failure.reason
     p2 = second.hold("b", [np.array([5, 6])], tokens=32)
     conn.start_load(p2, [[8, 9]])
     assert not wait_for(conn, ["b"]).failed
@@ -230,8 +231,9 @@ def test_a_consumer_on_another_backend_fails_at_handshake_naming_the_transport(p
     conn, _ = consumers("dense", 16, backend=other)
     params = producer.hold("mixed", [np.array([1])], tokens=16)
     conn.start_load(params, [[0]])
-    reason = wait_for(conn, ["mixed"]).failed["mixed"]
-    assert "handshake" in reason and "transport" in reason and backend in reason and other in reason
+    failure = wait_for(conn, ["mixed"]).failed["mixed"]
+    reason = failure.reason
+    assert failure.stage == "handshake" and "transport" in reason and backend in reason and other in reason
     assert producer.held_blocks() == 0
 
 
@@ -246,8 +248,8 @@ def test_a_decode_with_another_hybrid_layout_fails_at_handshake_naming_the_diffe
     before = snapshot(caches, conn)
     params = producer.hold("other-layout", [np.array([1, 2]), np.array([3])], tokens=32)
     conn.start_load(params, [[4, 5], [6]])
-    reason = wait_for(conn, ["other-layout"]).failed["other-layout"]
-    assert "handshake" in reason and "incompatible peer" in reason and named in reason, reason
+    failure = wait_for(conn, ["other-layout"]).failed["other-layout"]
+    assert failure.stage == "handshake" and "incompatible peer" in failure.reason and named in failure.reason, failure
     assert all(torch.equal(a, b) for a, b in zip(snapshot(caches, conn), before))  # nothing written
     assert producer.held_blocks() == 0
 

@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 from conftest import PRODUCER_SEED, assert_pulled, byte_rows, real_transport, snapshot, wait_for
 from kvconnect import KVConnectError, wire
 from kvconnect.faults import FaultyTransport, HostileListener, stalled
+from kvconnect.pd.failure import Stage
 from kvconnect.sidechannel import fetch_metadata
 from pd_peer import make_caches
 
 # How much past its deadline a failing load may be reported: a liveness bound, not a speed figure.
 MARGIN_S = 2.0
-KNOWN_STAGES = {"handshake", "params", "lease", "post", "transfer", "abort", "shutdown"}
+KNOWN_STAGES = {Stage.HANDSHAKE, Stage.PARAMS, Stage.LEASE, Stage.POST, Stage.TRANSFER, Stage.ABORT, Stage.SHUTDOWN}
 
 
 def rss_mib() -> float:
@@ -109,7 +110,8 @@ def test_a_load_names_one_lease_and_is_refused_for_one_the_producer_never_held(p
         conn.start_load(params, [[1]], handle="engine-8")  # a second load of the same lease
     assert wait_for(conn, ["engine-7"]).loaded == ["engine-7"]
     conn.start_load({**params, "request_id": "never-held"}, [[2]], handle="engine-9")
-    assert "unknown request" in wait_for(conn, ["engine-9"]).failed["engine-9"]
+    failure = wait_for(conn, ["engine-9"]).failed["engine-9"]
+    assert failure.stage == Stage.LEASE and "unknown request" in failure.reason
     assert producer.held_blocks() == 0
 
 
@@ -279,3 +281,26 @@ def _fuzz_pair(producers, consumers):
         conn, _ = consumers("dense", 64, handshake_timeout_s=1.0, load_timeout_s=10.0)
         _pairs[key] = (producer, conn)
     return _pairs[key]
+
+
+def test_a_transfer_the_backend_failed_is_reported_with_its_kind_in_the_failure_and_the_metrics(
+        producers, consumers, backend) -> None:
+    from kvconnect import metrics
+
+    producer = producers("dense", 16, PRODUCER_SEED)
+    transport = FaultyTransport(real_transport(backend), fail_poll_after=0)
+    conn, _ = consumers("dense", 16, transport=transport)
+    before = metrics.value("kvconnect_transfer_errors_total", {"kind": "transfer"})
+    conn.start_load(producer.hold("broken", [np.array([1, 2])], tokens=32), [[3, 4]])
+    failure = wait_for(conn, ["broken"]).failed["broken"]
+    assert (failure.stage, failure.kind) == (Stage.TRANSFER, "transfer"), failure
+    assert metrics.value("kvconnect_transfer_errors_total", {"kind": "transfer"}) == before + 1
+    assert wait_held(producer) == 0  # the abort notice freed the lease
+
+
+def wait_held(producer, timeout: float = 10.0) -> int:
+    """The producer's held blocks once the abort notice had time to arrive."""
+    deadline = time.monotonic() + timeout
+    while producer.held_blocks() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return producer.held_blocks()

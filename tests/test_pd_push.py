@@ -91,7 +91,7 @@ def test_a_prefill_that_never_writes_fails_the_decode_within_its_deadline(produc
     started = time.monotonic()
     decode.expect_push("never", (prefill.host, prefill.port), [[1, 2]], 32, handle="r", timeout_s=1.0)
     fin = wait_for(decode, ["r"], timeout=15)
-    assert "within the deadline" in fin.failed["r"] and fin.invalid_block_ids == {1, 2}
+    assert "within the deadline" in fin.failed["r"].reason and fin.invalid_block_ids == {1, 2}
     assert time.monotonic() - started < 10
     assert decode.held_blocks == 0
 

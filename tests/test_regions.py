@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from conftest import copy_rows, kv_cache, random_bytes_
 from kvconnect import BlockRangeError, LayoutError
 from kvconnect.layout import KVCacheLayout, MambaPage
-from kvconnect.regions import MemoryKind, Region, RegionSet, pair_descriptors
+from kvconnect.descriptors import block_rows, pair_descriptors
+from kvconnect.regions import MemoryKind, Region, RegionSet
 
 CONTIGUOUS_LAYOUTS = [lay for lay in KVCacheLayout if lay.block_contiguous]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float64]
@@ -74,7 +75,7 @@ def test_single_side_descriptors_cover_exactly_the_named_blocks(case) -> None:
     layout, cross_layer, dtype, dims, _, blocks, _, ids, seed = case
     buf, layers, reg = _caches(layout, cross_layer, dtype, dims, blocks, seed)
     rs = RegionSet.from_kv_caches(reg)
-    desc = rs.descriptors(ids)
+    desc = block_rows(rs, ids)
     assert desc.dtype == np.uint64 and desc.shape[1] == 3
     base = buf.data_ptr()
     covered = np.zeros(buf.numel() * buf.element_size(), dtype=bool)
@@ -103,7 +104,7 @@ def test_strided_per_layer_views_are_accepted_and_move_block_by_block() -> None:
     rs = RegionSet.from_kv_caches(layers)
     assert [r.block_stride for r in rs] == [3 * 2 * 4 * 8 * 2] * 3
     assert not any(r.contiguous for r in rs)
-    assert len(rs.descriptors([2, 3, 4])) == 9
+    assert len(block_rows(rs, [2, 3, 4])) == 9
     assert rs.registration().shape == (1, 3)
 
 
@@ -112,7 +113,7 @@ def test_a_cross_layer_tensor_is_one_region() -> None:
     rs = RegionSet.from_kv_caches({"cross": cache})
     (region,) = rs.regions
     assert region.num_blocks == 10 and region.block_bytes == 4 * 2 * 16 * 64 * 2
-    assert rs.descriptors([3, 4, 5]).tolist() == [[cache.data_ptr() + 3 * region.block_bytes, 3 * region.block_bytes, 0]]
+    assert block_rows(rs, [3, 4, 5]).tolist() == [[cache.data_ptr() + 3 * region.block_bytes, 3 * region.block_bytes, 0]]
 
 
 def test_aliased_layers_share_one_region_and_keep_all_names() -> None:
@@ -145,12 +146,12 @@ def test_hybrid_attention_and_mamba_pages_move_byte_exact() -> None:
 
 def test_region_subset_selects_one_kv_group() -> None:
     rs = RegionSet.from_kv_caches({"a": torch.zeros(4, 8), "b": torch.zeros(16, 8)})
-    desc = rs.descriptors([12, 13], regions=[1])
+    desc = block_rows(rs, [12, 13], regions=[1])
     assert desc.tolist() == [[rs[1].base_addr + 12 * 32, 64, 0]]
     with pytest.raises(BlockRangeError, match="region a"):
-        rs.descriptors([12])
+        block_rows(rs, [12])
     with pytest.raises(LayoutError, match="region index"):
-        rs.descriptors([0], regions=[2])
+        block_rows(rs, [0], regions=[2])
 
 
 def test_non_contiguous_block_bytes_are_refused_naming_the_layer() -> None:
@@ -200,16 +201,16 @@ def test_bad_kv_cache_input_is_refused_with_a_layout_error(kv, message) -> None:
 def test_invalid_block_ids_raise_block_range_error_naming_id_and_region(ids, message) -> None:
     rs = RegionSet.from_kv_caches({"layer.0": torch.zeros(8, 16), "layer.1": torch.zeros(9, 16)})
     with pytest.raises(BlockRangeError, match=message):
-        rs.descriptors(ids)
+        block_rows(rs, ids)
 
 
 def test_block_ids_may_come_as_tensors_arrays_or_ranges() -> None:
     rs = RegionSet.from_kv_caches({"l": torch.zeros(8, 16)})
-    expected = rs.descriptors([1, 2, 5]).tolist()
+    expected = block_rows(rs, [1, 2, 5]).tolist()
     for ids in (torch.tensor([1, 2, 5]), np.array([1, 2, 5], dtype=np.int32), np.array([1, 2, 5], dtype=np.uint16)):
-        assert rs.descriptors(ids).tolist() == expected
-    assert rs.descriptors(range(2, 5)).tolist() == [[rs[0].base_addr + 128, 192, 0]]
-    assert rs.descriptors([]).shape == (0, 3)
+        assert block_rows(rs, ids).tolist() == expected
+    assert block_rows(rs, range(2, 5)).tolist() == [[rs[0].base_addr + 128, 192, 0]]
+    assert block_rows(rs, []).shape == (0, 3)
 
 
 def test_pairs_need_equal_lengths_and_equal_block_sizes() -> None:
@@ -217,9 +218,9 @@ def test_pairs_need_equal_lengths_and_equal_block_sizes() -> None:
     b = RegionSet.from_kv_caches({"l": torch.zeros(8, 8)})
     with pytest.raises(BlockRangeError, match="2 local block ids but 1 remote"):
         pair_descriptors(a, [1, 2], a, [1])
-    with pytest.raises(LayoutError, match="local blocks are 64 bytes, remote blocks are 32 bytes"):
+    with pytest.raises(LayoutError, match="local blocks are 64 bytes, peer blocks are 32 bytes"):
         pair_descriptors(a, [1], b, [1])
-    with pytest.raises(LayoutError, match="local has 1 regions, remote has 2"):
+    with pytest.raises(LayoutError, match="local has 1 regions, peer has 2"):
         pair_descriptors(a, [1], RegionSet.from_kv_caches({"x": torch.zeros(8, 16), "y": torch.zeros(8, 16)}), [1])
     with pytest.raises(BlockRangeError, match="block id 9"):
         pair_descriptors(a, [1], a, [9])
@@ -266,8 +267,8 @@ def test_per_layer_views_of_a_blocks_outermost_buffer_merge_into_one_region_per_
     assert merged[0].block_bytes == 4 * page and merged[0].block_stride == 4 * page
     ids = [3, 7, 11]
     # One descriptor per block for every layer, where per-layer regions need one per block and layer.
-    assert len(per_layer.descriptors(ids)) == 12 and len(merged.descriptors(ids)) == 3
-    rows = merged.descriptors(ids)
+    assert len(block_rows(per_layer, ids)) == 12 and len(block_rows(merged, ids)) == 3
+    rows = block_rows(merged, ids)
     got = np.concatenate([np.frombuffer(ctypes.string_at(int(a), int(n)), dtype=np.float32) for a, n, _ in rows])
     want = torch.cat([torch.cat([v[b].reshape(-1) for v in views]) for b in ids]).numpy()
     assert np.array_equal(got, want)

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from kvconnect.regions import KVGroup
+from kvconnect.kvgroups import KVGroup
 from kvconnect.shards import PageShards, Segment, attention, owned, replicated
 
 TOKENS = 16

@@ -7,7 +7,8 @@ with their device id, that NIXL registers them and reads GPU to GPU between two 
 pull moves CUDA caches between two processes (a short selection of the conformance suite, the kill
 test included, and one test across two GPUs where there are two), that the offload tier's CUDA path
 (pinned pool, its own stream ordered after the engine's, direct and staged copies) moves exact
-bytes, and that a CUDA build of Mooncake registers VRAM. Exit status 1 if any check failed; 0 with
+bytes, that a push fenced on the engine's stream writes only what that stream finished, and that a
+CUDA build of Mooncake registers VRAM. Exit status 1 if any check failed; 0 with
 "skipped: no CUDA" where torch sees no GPU. `--device cpu` runs the same checks on CPU tensors: a dry
 run of this script, not of a GPU.
 """
@@ -207,6 +208,41 @@ def offload_waits_for_the_engine_stream(device: torch.device) -> Callable[[], st
     return run
 
 
+def push_waits_for_the_engine_stream(device: torch.device) -> Callable[[], str]:
+    def run() -> str:
+        from kvconnect.connector import ConnectorConfig, KVConnector
+        from kvconnect.pd.fence import stream_fence
+
+        def side(engine_id: str) -> tuple[KVConnector, torch.Tensor]:
+            cache = torch.zeros(8, 1 << 20, dtype=torch.uint8, device=device)
+            conn = KVConnector(ConnectorConfig(engine_id=engine_id, role="both", backend="nixl", push=True))
+            conn.register_kv_caches({"layer": cache})
+            return conn, cache
+
+        (decode, dcache), (prefill, pcache) = side("decode"), side("prefill")
+        try:
+            decode.expect_push("k", prefill.side_channel, [[5, 6]], 32, handle="r")
+            # The "engine" keeps its stream busy, then writes the blocks, and hands them over with a fence
+            # at once, as vLLM's wait_for_save does: the WRITE must carry what the stream wrote last.
+            torch.cuda._sleep(200_000_000)
+            pcache[[3, 4]] = 0x5A
+            prefill.push("k", [[3, 4]], handle="p", fence=stream_fence(device))
+            deadline = time.monotonic() + 30.0
+            while "r" not in (fin := decode.get_finished()).loaded + list(fin.failed):
+                if time.monotonic() > deadline:
+                    raise AssertionError("the push never ended")
+                time.sleep(0.01)
+            if fin.failed:
+                raise AssertionError(f"the push failed: {fin.failed}")
+            if not bool((dcache[[5, 6]] == 0x5A).all()):
+                raise AssertionError("the WRITE carried bytes the engine's stream had not written yet")
+        finally:
+            prefill.close()
+            decode.close()
+        return "a push fenced on a busy engine stream wrote the bytes that stream wrote last"
+    return run
+
+
 def offload_connector(device: torch.device) -> Callable[[], str]:
     def run() -> str:
         from kvconnect.offload import OffloadConnector
@@ -272,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     check("offload-staged", offload_mover(device, staged=True))
     if device.type == "cuda":
         check("offload-stream-order", offload_waits_for_the_engine_stream(device))
+        check("push-stream-order", push_waits_for_the_engine_stream(device))
     check("offload-connector", offload_connector(device))
     check("mooncake-register", mooncake_vram(device))
     failed = [name for name, ok in RESULTS if not ok]

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-_WORKER = "kvconnect.integrations.vllm.pd_worker"
+_WORKER = "kvconnect.integrations.vllm.push_worker"
 _HOLD_S = 300.0  # a test that never resumes does not hold the engine's WRITEs for good
 
 
@@ -61,12 +61,12 @@ def install_on_import(directory: str) -> None:
 
 def install(directory: str) -> None:
     """Patch kvconnect's WRITE post and layer-wise hand-off in this process (and the processes it forks)."""
-    from kvconnect.integrations.vllm.pd_worker import PDWorker
+    from kvconnect.integrations.vllm.push_worker import LayerwisePushWorker
     from kvconnect.pd.peer import PeerWorker
 
     where = Path(directory)
     arm, paused, resume = where / "arm", where / "paused", where / "resume"
-    post, layer_saved = PeerWorker._post, PDWorker.layer_saved
+    post, layer_saved = PeerWorker._post, LayerwisePushWorker.layer_saved
 
     def held_post(self, load) -> None:
         post(self, load)
@@ -92,4 +92,4 @@ def install(directory: str) -> None:
                 time.sleep(0.005)
 
     PeerWorker._post = held_post
-    PDWorker.layer_saved = held_layer_saved
+    LayerwisePushWorker.layer_saved = held_layer_saved

@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     """Build descriptors for random and contiguous tables and print the timings."""
     import numpy as np
 
+    from kvconnect.descriptors import block_rows
     from kvconnect.regions import MemoryKind, Region, RegionSet
 
     num_blocks = args.blocks * 2
@@ -47,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     random_ids = rng.permutation(num_blocks)[: args.blocks]
     contiguous_ids = np.arange(args.blocks) + 7
 
-    n_random = len(rs.descriptors(random_ids))
-    n_contiguous = len(rs.descriptors(contiguous_ids))
-    seconds_random = _best(lambda: rs.descriptors(random_ids), args.repeat)
-    seconds_contiguous = _best(lambda: rs.descriptors(contiguous_ids), args.repeat)
+    n_random = len(block_rows(rs, random_ids))
+    n_contiguous = len(block_rows(rs, contiguous_ids))
+    seconds_random = _best(lambda: block_rows(rs, random_ids), args.repeat)
+    seconds_contiguous = _best(lambda: block_rows(rs, contiguous_ids), args.repeat)
 
     ids_list = random_ids.tolist()
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     python_loop_seconds = _best(python_loop, max(1, args.repeat // 5))
     # Check against the loop block by block: split each merged run back into its blocks first.
-    ours = rs.descriptors(random_ids)
+    ours = block_rows(rs, random_ids)
     blocks = ours[:, 1] // np.uint64(args.block_bytes)
     first = np.repeat(ours[:, 0], blocks.astype(np.int64))
     step = np.arange(first.size) - np.repeat(np.cumsum(blocks) - blocks, blocks.astype(np.int64)).astype(np.int64)

@@ -34,6 +34,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
+from kvconnect.descriptors import check_ids
 from kvconnect.errors import BlockRangeError, KVConnectError, TransferError
 from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.keys import block_keys, check_keys
@@ -41,7 +42,8 @@ from kvconnect.offload.manager import OffloadManager, OffloadStats
 from kvconnect.offload.mover import BlockMover
 from kvconnect.offload.tiers import PoolView, Tier, leading
 from kvconnect.offload.tiers.chain import TierChain
-from kvconnect.regions import BlockIds, KVGroup, RegionSet, resolve_groups
+from kvconnect.kvgroups import KVGroup, resolve_groups
+from kvconnect.regions import BlockIds, RegionSet
 
 
 class OffloadConnector:
@@ -205,7 +207,7 @@ class OffloadConnector:
                       parent: bytes | None = None, group: int = 0) -> OffloadJob:
         """Store the full blocks of a finished request in `group`: keys from its tokens, its leading block ids."""
         keys = self.block_keys(token_ids, parent, group)
-        ids = self._ready()[0].validate(block_ids, self._group(group)[0])
+        ids = check_ids(self._ready()[0], block_ids, self._group(group)[0])
         if ids.size < len(keys):
             raise BlockRangeError(f"{len(keys)} full blocks of tokens but only {ids.size} block ids")
         return self.store(keys, ids[: len(keys)], group)
@@ -292,7 +294,7 @@ class OffloadConnector:
         """(group's regions, its bytes per block, keys, block ids), checked against each other and the regions."""
         sel, nbytes = self._group(group)
         keys = check_keys(keys)
-        ids = self._regions.validate(block_ids, sel)
+        ids = check_ids(self._regions, block_ids, sel)
         if ids.size != len(keys):
             raise BlockRangeError(f"{len(keys)} keys but {ids.size} block ids")
         return sel, nbytes, keys, ids

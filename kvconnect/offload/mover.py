@@ -145,7 +145,7 @@ class BlockMover:
 
     def _host_copy(self, parts: list, block_ids: np.ndarray, slots: np.ndarray, to_pool: bool) -> None:
         """Host copies between cache rows and pool slots: one call per run of slots, or per staging chunk."""
-        ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+        ids = torch.from_numpy(np.array(block_ids, dtype=np.int64))  # a copy: checked ids are read-only
         pos, first, count = slot_runs(slots)
         if pos.size <= self.max_runs:
             for rows, pool, _ in parts:
@@ -178,7 +178,7 @@ class BlockMover:
 
     def _device_ids(self, ids: np.ndarray, keep: list[torch.Tensor]) -> torch.Tensor:
         """Block ids on the GPU, copied from pinned memory so the worker does not block on the stream."""
-        host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).pin_memory()
+        host = torch.from_numpy(np.array(ids, dtype=np.int64)).pin_memory()  # a copy: checked ids are read-only
         keep.append(host)  # the asynchronous copy reads it until the completion event
         return host.to(self.device, non_blocking=True)
 

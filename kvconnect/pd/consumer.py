@@ -23,7 +23,11 @@ from typing import Callable, Sequence
 
 from kvconnect import wire
 from kvconnect.errors import KVConnectError
-from kvconnect.pd.peer import Load, LoadFailure, PeerWorker
+from kvconnect.pd.failure import LoadFailure
+from kvconnect.pd.outbox import NoticeSettings
+from kvconnect.pd.fence import Fence
+from kvconnect.pd.parts import AbortLoad, LoadPart, RegionsReady, ReleaseLease
+from kvconnect.pd.peer import PeerWorker
 from kvconnect.pd.plan import PeerAddr, local_ids
 from kvconnect.regions import RegionSet
 from kvconnect.shards import RankPlan, rank_plan
@@ -70,8 +74,8 @@ class Consumer:
         self.secret = secret
         self.load_timeout_s = load_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
-        self.notice_timeout_s = notice_timeout_s
-        self.notice_retry_s = notice_retry_s
+        self.notices = NoticeSettings(engine_id=engine_id, rank=rank, secret=secret, timeout_s=notice_timeout_s,
+                                      retry_s=notice_retry_s)
         self.peer_idle_s = peer_idle_s
         self.max_peers = max_peers
         self.close_timeout_s = close_timeout_s
@@ -87,9 +91,9 @@ class Consumer:
 
     # ---- engine-facing API (any thread; never waits on the network) ----
 
-    def load(self, params: wire.TransferParams | dict, local_block_ids: Sequence[Sequence[int]], *,
+    def load(self, params: wire.TransferParams, local_block_ids: Sequence[Sequence[int]], *,
              handle: str | None = None, timeout_s: float | None = None, op: str = "READ",
-             layerwise: bool = False) -> str:
+             layerwise: bool = False, fence: Fence | None = None) -> str:
         """Queue a pull of `params`' blocks into these local block ids (one list per KV group); returns the handle.
 
         A group with fewer local ids than remote ones pulls only the remote suffix (the consumer
@@ -97,10 +101,11 @@ class Consumer:
         included) raises a KVConnectError and queues nothing; everything found later is a reported
         failure. `op="WRITE"` (push mode) writes the local blocks into those the params name instead;
         with `layerwise`, only the regions `regions_ready` names are posted, as they become final.
+        `fence` (push from a GPU): nothing is posted before the engine's stream has passed it.
         """
         if op not in ("READ", "WRITE"):
             raise KVConnectError(f"op must be READ or WRITE, got {op!r}")
-        params = wire.checked_params(params)
+        _require_params(params)
         handle = params.request_id if handle is None else str(handle)
         local = local_ids(self.regions, self.group_regions, params, local_block_ids)
         timeout = self.load_timeout_s if timeout_s is None else timeout_s
@@ -108,8 +113,9 @@ class Consumer:
             raise KVConnectError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
         plan = self._plan(params.tp_size)
         deadline = self.clock() + timeout
-        parts = [Load(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
-                      readers=plan.readers[p], op=op, ready=set() if layerwise else None) for p in plan.reads]
+        parts = [LoadPart(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
+                          readers=plan.readers[p], op=op, ready=set() if layerwise else None, fence=fence)
+                 for p in plan.reads]
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")
@@ -126,28 +132,29 @@ class Consumer:
             for worker, part in zip(workers, parts):
                 worker.inbox.put(part)
             for worker in releasers:
-                worker.inbox.put(("release", params.request_id, 1))
+                worker.inbox.put(ReleaseLease(params.request_id, 1))
         return handle
 
     def abort(self, handle: str) -> None:
         """Give up on a load: reported failed (stage abort) once nothing more can land in its blocks."""
         with self._lock:
             for worker in self._by_handle.get(handle, ()):
-                worker.inbox.put(("abort", handle))
+                worker.inbox.put(AbortLoad(handle))
 
-    def regions_ready(self, handle: str, regions: Sequence[int] | None) -> None:
-        """Layer-wise loads: these regions' bytes are final (None: every region's); they are posted once claimed."""
+    def regions_ready(self, handle: str, regions: Sequence[int] | None, fence: Fence | None = None) -> None:
+        """Layer-wise loads: these regions' bytes are final (None: every region's) once the engine's stream
+        passed `fence` (None: now); they are posted once claimed."""
         with self._lock:
             for worker in self._by_handle.get(handle, ()):
-                worker.inbox.put(("regions", handle, None if regions is None else frozenset(regions)))
+                worker.inbox.put(RegionsReady(handle, None if regions is None else frozenset(regions), fence))
 
-    def release(self, params: wire.TransferParams | dict) -> None:
+    def release(self, params: wire.TransferParams) -> None:
         """Tell the producer to free a request's blocks without reading them (the consumer holds them all).
 
         Each decode rank releases the producer ranks `p` with `p % decode TP == rank`, so every rank of
         the producer hears it once.
         """
-        params = wire.checked_params(params)
+        _require_params(params)
         with self._lock:
             if self._closed:
                 raise KVConnectError("the consumer is closed")
@@ -156,7 +163,7 @@ class Consumer:
                 raise KVConnectError(f"producer request {params.request_id!r} is being read by load "
                                      f"{self._leases[params.request_id]!r}; abort that load instead")
             for p in range(self.rank, params.tp_size, self.world_size):
-                self._worker(PeerAddr.of(params, p)).inbox.put(("release", params.request_id, 1))
+                self._worker(PeerAddr.of(params, p)).inbox.put(ReleaseLease(params.request_id, 1))
 
     def poll(self) -> LoadResults:
         """Loads that finished or failed since the last call."""
@@ -197,21 +204,21 @@ class Consumer:
 
     # ---- called by the workers ----
 
-    def report_loaded(self, load: Load) -> None:
+    def report_loaded(self, load: LoadPart) -> None:
         """A part of a load finished: every byte of it landed."""
         with self._lock:
             self._part_ended(load, None)
 
-    def report_failed(self, load: Load) -> None:
+    def report_failed(self, load: LoadPart) -> None:
         """A part of a load failed and nothing more can land from it; its siblings are aborted."""
         with self._lock:
             parts = self._parts.get(load.handle)
             if parts is not None and parts.failure is None and parts.left > 1:
                 for worker in self._by_handle.get(load.handle, ()):
-                    worker.inbox.put(("abort", load.handle))
+                    worker.inbox.put(AbortLoad(load.handle))
             self._part_ended(load, load.failure)
 
-    def _part_ended(self, load: Load, failure: LoadFailure | None) -> None:
+    def _part_ended(self, load: LoadPart, failure: LoadFailure | None) -> None:
         parts = self._parts.get(load.handle)
         if parts is None:  # the load ended already (a late report of an aborted part)
             return
@@ -242,7 +249,7 @@ class Consumer:
             self._plans[peer_tp] = plan
         return plan
 
-    def _forget(self, load: Load) -> None:
+    def _forget(self, load: LoadPart) -> None:
         self._parts.pop(load.handle, None)
         if self._by_handle.get(load.handle) is not None:
             del self._by_handle[load.handle]
@@ -257,3 +264,10 @@ class Consumer:
                                      f"refusing a load from {addr}")
             worker = self._workers[addr] = PeerWorker(self, addr)
         return worker
+
+
+def _require_params(params: object) -> None:
+    """Params reach the consumer parsed (at the engine edge, once): anything else is a caller's bug."""
+    if not isinstance(params, wire.TransferParams):
+        raise TypeError(f"expected kvconnect.wire.TransferParams (parse a mapping with "
+                        f"wire.transfer_params_from_builtins first), got {type(params).__name__}")

@@ -52,7 +52,7 @@ class Lease:
 
 
 @dataclass(frozen=True)
-class Release:
+class LeaseEnd:
     """A lease that ended, and the blocks it gives back."""
 
     request_id: str
@@ -66,7 +66,7 @@ class LeaseTable:
 
     def __init__(self, lease_s: float = 30.0, max_claim_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[int, Release | None], None] | None = None, quiesce_s: float = 0.0):
+                 on_change: Callable[[int, LeaseEnd | None], None] | None = None, quiesce_s: float = 0.0):
         """`on_change(delta, release)` hears of every lease started (+1, None) and ended (-1, release)."""
         if lease_s <= 0 or max_claim_s <= 0 or quiesce_s < 0:
             raise ValueError("lease_s and max_claim_s must be positive, quiesce_s not negative")
@@ -77,7 +77,7 @@ class LeaseTable:
         self._on_change = on_change
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._released: list[Release] = []
+        self._released: list[LeaseEnd] = []
         # Ended ids are remembered for a while so a late claim is refused with the real reason.
         self._ended: dict[str, tuple[ReleaseReason, float]] = {}
 
@@ -165,7 +165,7 @@ class LeaseTable:
         with self._lock:
             return self._expire_locked(self._clock())
 
-    def drain_released(self) -> list[Release]:
+    def drain_released(self) -> list[LeaseEnd]:
         """Leases that ended since the last call, each reported once."""
         with self._lock:
             self._expire_locked(self._clock())
@@ -182,7 +182,7 @@ class LeaseTable:
         lease = self._leases.pop(request_id, None)
         if lease is None:
             return False
-        release = Release(request_id, reason, lease.block_ids, lease.lease_s)
+        release = LeaseEnd(request_id, reason, lease.block_ids, lease.lease_s)
         self._released.append(release)
         self._ended[request_id] = (reason, now)
         if self._on_change:
@@ -198,3 +198,9 @@ class LeaseTable:
             for rid in list(self._ended)[: len(self._ended) - _MAX_ENDED]:
                 del self._ended[rid]
         return len(due)
+
+
+def __getattr__(name: str) -> object:
+    if name == "Release":
+        raise AttributeError("kvconnect.pd.leases.Release was renamed LeaseEnd")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

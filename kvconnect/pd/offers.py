@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvconnect import wire
-from kvconnect.errors import KVConnectError
-from kvconnect.pd.leases import Release, ReleaseReason
-from kvconnect.pd.peer import LoadFailure
+from kvconnect.errors import KVConnectError, TransferError
+from kvconnect.pd.leases import LeaseEnd, ReleaseReason
+from kvconnect.pd.failure import LoadFailure, Stage
 from kvconnect.pd.producer import Producer
 from kvconnect.sidechannel import Target, call_many
 from kvconnect.threads import spawn
@@ -66,8 +66,8 @@ class Offers:
         offer = wire.Offer(engine_id=self.engine_id, rank=self.rank, key=key, params=params)
         self._outbox.put(Target(prefill.host, prefill.port, offer))
 
-    def take(self, releases: list[Release], loaded: list[str], failed: dict[str, LoadFailure],
-             invalid: set[int]) -> list[Release]:
+    def take(self, releases: list[LeaseEnd], loaded: list[str], failed: dict[str, LoadFailure],
+             invalid: set[int]) -> list[LeaseEnd]:
         """Sort the producer's releases: pushes that landed into `loaded`, pushes that failed into `failed`
         (their blocks into `invalid`); returns the others (pull leases)."""
         rest = []
@@ -117,9 +117,10 @@ class Offers:
             handle = target.message.params.request_id
             if isinstance(reply, wire.Ack) and target.message.key in reply.live:
                 continue
-            why = LoadFailure("offer", f"the prefill at {target.host}:{target.port} did not take it: {reply}")
-            log.warning("kvconnect load failed: request=%s peer=%s:%s stage=offer reason=%s", handle, target.host,
-                        target.port, why.reason)
+            kind = reply.kind if isinstance(reply, TransferError) else ""
+            why = LoadFailure(Stage.OFFER, f"the prefill at {target.host}:{target.port} did not take it: {reply}", kind)
+            log.warning("kvconnect load failed: request=%s peer=%s:%s stage=%s reason=%s", handle, target.host,
+                        target.port, why.stage, why.reason)
             with self._lock:
                 self._why[handle] = why
             self.producer.abort(handle)
@@ -127,7 +128,7 @@ class Offers:
 
 def _why(reason: ReleaseReason, claimant: str, key: str) -> LoadFailure:
     if reason is ReleaseReason.EXPIRED:
-        return LoadFailure("transfer", f"no WRITE from the prefill of push {key!r} finished within the deadline")
+        return LoadFailure(Stage.TRANSFER, f"no WRITE from the prefill of push {key!r} finished within the deadline")
     if claimant:
-        return LoadFailure("transfer", f"the prefill gave up the WRITE: {claimant}")
-    return LoadFailure("abort", "aborted by the engine")
+        return LoadFailure(Stage.TRANSFER, f"the prefill gave up the WRITE: {claimant}")
+    return LoadFailure(Stage.ABORT, "aborted by the engine")

@@ -1,24 +1,25 @@
 """What a consumer checks before it reads: a peer's metadata against hard limits, and each load's ids.
 
-Pure functions, no I/O. A peer's metadata are checked before anything is allocated for it: its region
-count and groups must equal ours, and its block bytes too, unless it runs another TP size: then each
-region's split (kvconnect.shards) must map onto ours, and the byte ranges that peer rank supplies to
-each local block are computed here, once. What a peer claims about its block counts costs nothing
-until a load reads those blocks. A load's remote ids are checked against the peer's regions and
-aligned to the local ids (a shorter local list pulls the remote suffix: the consumer already holds
-the prefix).
+Pure functions, no I/O. A peer's metadata are checked before anything is allocated for it: its
+identity and groups must equal what we expect, and its regions must pair with ours
+(`kvconnect.descriptors.Pairing`: as many regions, equal block bytes, or for another TP size each
+region's split mapping onto ours, the byte ranges that peer rank supplies to each local block
+computed here, once). The transport takes that pairing as it is. What a peer claims about its block
+counts costs nothing until a load reads those blocks. Block ids are checked by
+`kvconnect.descriptors` only: local ids when a load is queued, remote ids (the suffix of the params'
+ids: a shorter local list pulls the remote suffix, the consumer already holds the prefix) when the
+load's selections are made.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-import numpy as np
-
 from kvconnect import wire
+from kvconnect.descriptors import CheckedIds, Pairing, Selection, check_ids, select
 from kvconnect.errors import BlockRangeError, HandshakeError, LayoutError
 from kvconnect.regions import RegionSet
-from kvconnect.shards import PageSlices, check_page, page_slices
+from kvconnect.shards import check_page, page_slices
 
 
 class PeerAddr(NamedTuple):
@@ -40,9 +41,9 @@ class PeerAddr(NamedTuple):
 
 
 def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group_regions: Sequence[Sequence[int]],
-               *, tp: int = 1, rank: int = 0, peer_tp: int = 1) -> tuple[RegionSet, PageSlices | None]:
-    """The peer's regions, and the byte ranges it supplies to each local block when its TP size differs
-    (None: whole blocks), once its metadata passed every check that must come before allocating for it."""
+               *, tp: int = 1, rank: int = 0, peer_tp: int = 1) -> Pairing:
+    """How the peer's regions pair with ours (whole blocks, or when its TP size differs the byte ranges it
+    supplies to each local block), once its metadata passed every check that must come before allocating for it."""
     if meta.engine_id != addr.engine_id:
         raise HandshakeError(f"peer at {addr.host}:{addr.port} is engine {meta.engine_id!r}, "
                              f"the params name {addr.engine_id!r}")
@@ -54,25 +55,24 @@ def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group
     theirs = [list(g) for g in meta.group_regions]
     if theirs != [list(g) for g in group_regions]:
         raise HandshakeError(f"peer groups its regions as {_short(theirs)}, this consumer as {_short(group_regions)}")
-    if peer_tp == tp:
-        for k, (r, mine) in enumerate(zip(meta.regions, ours.regions)):
-            if r.block_bytes != mine.block_bytes:
-                raise HandshakeError(f"region {k} ({mine.label}): peer blocks are {r.block_bytes} bytes, "
-                                     f"ours {mine.block_bytes}")
-        return RegionSet.from_wire(meta.regions), None
     regions = RegionSet.from_wire(meta.regions)
+    try:
+        return Pairing(ours, regions, None if peer_tp == tp else _slices(ours, regions, tp, rank, peer_tp, addr.rank))
+    except LayoutError as exc:
+        raise HandshakeError(str(exc)) from None
+
+
+def _slices(ours: RegionSet, regions: RegionSet, tp: int, rank: int, peer_tp: int, peer_rank: int) -> dict:
+    """Per region, the byte ranges peer rank `peer_rank` of `peer_tp` supplies to our rank's blocks."""
     slices = {}
     for k, (r, mine) in enumerate(zip(regions.regions, ours.regions)):
         if mine.shards is None or r.shards is None:
             whose = "ours" if mine.shards is None else "the peer's"
             raise HandshakeError(f"cannot map prefill TP {peer_tp} onto decode TP {tp}: region {k} ({mine.label}) "
                                  f"has no tensor-parallel split described ({whose})")
-        try:
-            check_page(r.shards, peer_tp, r.block_bytes, f"peer region {k} ({mine.label})")
-        except LayoutError as exc:
-            raise HandshakeError(str(exc)) from None
-        slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, addr.rank)
-    return regions, slices
+        check_page(r.shards, peer_tp, r.block_bytes, f"peer region {k} ({mine.label})")
+        slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, peer_rank)
+    return slices
 
 
 def _short(groups: Sequence[Sequence[int]]) -> str:
@@ -81,7 +81,7 @@ def _short(groups: Sequence[Sequence[int]]) -> str:
 
 
 def local_ids(regions: RegionSet, group_regions: Sequence[Sequence[int]], params: wire.TransferParams,
-              block_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
+              block_ids: Sequence[Sequence[int]]) -> tuple[CheckedIds, ...]:
     """The local block ids of a load, one array per group, checked against our regions and the params."""
     if len(block_ids) != len(group_regions):
         raise BlockRangeError(f"{len(block_ids)} block-id groups given, this connector has {len(group_regions)} "
@@ -91,21 +91,27 @@ def local_ids(regions: RegionSet, group_regions: Sequence[Sequence[int]], params
                               f"{len(group_regions)}")
     out = []
     for g, (ids, sel, remote) in enumerate(zip(block_ids, group_regions, params.block_ids)):
-        local = regions.validate(ids, sel)
+        local = check_ids(regions, ids, sel)
         if local.size > len(remote):
             raise BlockRangeError(f"group {g}: {local.size} local blocks but the producer holds only {len(remote)}")
         out.append(local)
     return tuple(out)
 
 
-def remote_ids(params: wire.TransferParams, local: Sequence[np.ndarray], peer: RegionSet,
-               group_regions: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
-    """The remote ids each local id reads, per group: the suffix of the params' ids, checked against the peer."""
+def selections(op: str, params: wire.TransferParams, ours: RegionSet, local: Sequence[CheckedIds], peer: RegionSet,
+               group_regions: Sequence[Sequence[int]]) -> tuple[Selection, ...]:
+    """Per group, what a load moves: its local ids with the suffix of the params' remote ids, checked once."""
     out = []
     for g, (lids, rids, sel) in enumerate(zip(local, params.block_ids, group_regions)):
-        suffix = np.asarray(rids[len(rids) - lids.size:], dtype=np.int64)
         try:
-            out.append(peer.validate(suffix, sel))
+            out.append(select(op, ours, lids, peer, rids[len(rids) - lids.size:], sel))
         except BlockRangeError as exc:
-            raise BlockRangeError(f"group {g}: remote block ids rejected: {exc}") from None
+            raise BlockRangeError(f"group {g}: block ids rejected: {exc}") from None
     return tuple(out)
+
+
+def __getattr__(name: str) -> object:
+    """Names that moved out of this module fail with a message naming their replacement."""
+    if name == "remote_ids":
+        raise ImportError("kvconnect.pd.plan.remote_ids was replaced by kvconnect.pd.plan.selections")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

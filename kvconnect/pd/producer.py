@@ -15,8 +15,9 @@ from typing import Callable, Sequence
 import msgspec
 
 from kvconnect import metrics, wire
+from kvconnect.descriptors import check_ids
 from kvconnect.errors import BlockRangeError
-from kvconnect.pd.leases import LeaseTable, Release, ReleaseReason
+from kvconnect.pd.leases import Lease, LeaseEnd, LeaseTable, ReleaseReason
 from kvconnect.regions import RegionSet
 from kvconnect.sidechannel import Refusal, SideChannelServer
 
@@ -51,22 +52,30 @@ class Producer:
         Pull: a finished prefill's blocks, for consumers to read. Push: blocks a decode allocated, for
         the prefill to write (`lease_s` is then the decode's deadline, `hard`: no claim extends it).
         """
+        return self.params_of(self.hold_lease(request_id, block_ids, num_tokens, lease_s, hard))
+
+    def hold_lease(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
+                   lease_s: float | None = None, hard: bool = False) -> Lease:
+        """`hold` for an engine that hands out its own params: the lease, no params built."""
         if len(block_ids) != len(self.group_regions):
             raise BlockRangeError(f"{len(block_ids)} block-id groups given, producer has "
                                   f"{len(self.group_regions)} KV groups")
-        groups = [self.regions.validate(ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
-        lease = self.leases.hold(request_id, groups, num_tokens, lease_s, hard)
+        groups = [check_ids(self.regions, ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
+        return self.leases.hold(request_id, groups, num_tokens, lease_s, hard)
+
+    def params_of(self, lease: Lease) -> wire.TransferParams:
+        """The transfer params that name a held lease's blocks on this producer."""
         expiry_unix = time.time() + (lease.expires_at - self._clock())
         return wire.TransferParams(
-            engine_id=self.metadata.engine_id, host=self.host, port=self.port, request_id=request_id,
-            block_ids=[g.tolist() for g in groups], num_tokens=int(num_tokens), lease_expiry=expiry_unix,
+            engine_id=self.metadata.engine_id, host=self.host, port=self.port, request_id=lease.request_id,
+            block_ids=[g.tolist() for g in lease.block_ids], num_tokens=lease.num_tokens, lease_expiry=expiry_unix,
             incarnation=self.metadata.incarnation)
 
     def abort(self, request_id: str) -> bool:
         """Release a request's blocks now (the engine gave up on it); False if it held none."""
         return self.leases.release(request_id, ReleaseReason.ABORTED)
 
-    def poll(self) -> list[Release]:
+    def poll(self) -> list[LeaseEnd]:
         """Leases that ended since the last call (done, aborted or expired), each reported once."""
         return self.leases.drain_released()
 
@@ -83,7 +92,7 @@ class Producer:
         """Blocks live leases hold, all groups counted."""
         return self.leases.held_blocks
 
-    def _lease_changed(self, delta: int, release: Release | None) -> None:
+    def _lease_changed(self, delta: int, release: LeaseEnd | None) -> None:
         metrics.leases_held.inc(delta)
         if release is None:
             return

@@ -23,8 +23,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvconnect import wire
+from kvconnect.descriptors import CheckedIds
 from kvconnect.errors import KVConnectError
 from kvconnect.pd.consumer import Consumer, LoadResults
+from kvconnect.pd.fence import Fence
 from kvconnect.sidechannel import Refusal
 
 
@@ -45,6 +47,9 @@ class _Ready:
     layerwise: bool = False
     regions: set[int] | None = None  # layer-wise: the regions computed so far (None: all)
     started: bool = False  # its WRITE is a load: later regions go to the consumer directly
+    # The engine's stream is past the bytes of `regions` (whole push: of every block) once it passed
+    # this fence; a stream runs in order, so the latest fence covers every region before it.
+    fence: Fence | None = None
 
 
 class Pusher:
@@ -88,16 +93,18 @@ class Pusher:
     # ---- the engine's thread ----
 
     def ready(self, key: str, block_ids: Sequence[Sequence[int]], *, handle: str, timeout_s: float | None = None,
-              layerwise: bool = False) -> None:
+              layerwise: bool = False, fence: Fence | None = None) -> None:
         """The prefill of `key` is computed into these blocks (layer-wise: is being computed, region by region):
-        write them once (or as soon as) it is offered."""
+        write them once (or as soon as) it is offered, and not before the engine's stream passed `fence`."""
         if not isinstance(key, str) or not 1 <= len(key) <= 128:
             raise KVConnectError(f"push key must be a string of 1 to 128 characters, got {key!r}")
-        blocks = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
+        # Ids the push role checked stay checked: the WRITE's load does not look at them again.
+        blocks = tuple(g if isinstance(g, CheckedIds) else np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
         with self._lock:
             if key in self._ready or handle in self._writing:
                 raise KVConnectError(f"push {key!r} (handle {handle!r}) is already waiting or writing")
-            ready = _Ready(handle, blocks, self._clock(), timeout_s, layerwise, set() if layerwise else None)
+            ready = _Ready(handle, blocks, self._clock(), timeout_s, layerwise, set() if layerwise else None,
+                           fence=None if layerwise else fence)
             if layerwise:
                 self._streaming[handle] = ready
             offer = self._offers.pop(key, None)
@@ -106,19 +113,20 @@ class Pusher:
                 return
         self._start(key, offer[0], ready)
 
-    def regions_ready(self, regions: Sequence[int] | None) -> int:
-        """Layer-wise: these regions are computed for every push whose forward pass runs (None: it ended).
-        Returns to how many running WRITEs they went."""
+    def regions_ready(self, regions: Sequence[int] | None, fence: Fence | None = None) -> int:
+        """Layer-wise: these regions are computed for every push whose forward pass runs (None: it ended),
+        once the engine's stream passed `fence`. Returns to how many running WRITEs they went."""
         with self._lock:
             streams = list(self._streaming.values())
             for ready in streams:
                 if ready.regions is not None:
                     ready.regions = None if regions is None else ready.regions | set(regions)
+                    ready.fence = fence or ready.fence
             if regions is None:
                 self._streaming.clear()
             writing = [r.handle for r in streams if r.started]
         for handle in writing:
-            self.consumer.regions_ready(handle, regions)
+            self.consumer.regions_ready(handle, regions, fence)
         return len(writing)
 
     @property
@@ -169,11 +177,11 @@ class Pusher:
             with self._lock:
                 self._writing[ready.handle] = key
             self.consumer.load(params, local, handle=ready.handle, timeout_s=ready.timeout_s, op="WRITE",
-                               layerwise=ready.layerwise)
+                               layerwise=ready.layerwise, fence=ready.fence)
             if ready.layerwise:
                 with self._lock:  # from here on regions_ready forwards; what came before is in the snapshot
-                    ready.started, regions = True, ready.regions
-                self.consumer.regions_ready(ready.handle, None if regions is None else sorted(regions))
+                    ready.started, regions, fence = True, ready.regions, ready.fence
+                self.consumer.regions_ready(ready.handle, None if regions is None else sorted(regions), fence)
         except KVConnectError as exc:
             with self._lock:
                 self._writing.pop(ready.handle, None)
@@ -196,5 +204,5 @@ def _suffix(local: tuple[np.ndarray, ...], remote: Sequence[Sequence[int]]) -> l
     for g, (ids, theirs) in enumerate(zip(local, remote)):
         if len(theirs) > ids.size:
             raise KVConnectError(f"group {g}: the decode offers {len(theirs)} blocks, the prefill computed {ids.size}")
-        out.append(ids[ids.size - len(theirs):])
+        out.append(ids.tail(len(theirs)) if isinstance(ids, CheckedIds) else ids[ids.size - len(theirs):])
     return out

@@ -4,8 +4,8 @@ The engine runs in P2P-handshake mode: no metadata server, each engine serves it
 description on an RPC port. What a peer needs is that `host:port` (plus the protocol, checked at
 `add_peer`), a few bytes that travel inside kvconnect's handshake. Regions are registered once, as
 `RegionSet.registration()` merges them. A post pairs local and remote block descriptors with
-`pair_descriptors` (or, for a peer of another TP size, `slice_descriptors`; runs contiguous on both
-sides become one entry) and cuts them into batches of at most `max_batch_entries` entries.
+the peer's `kvconnect.descriptors.Pairing` (whole blocks, or for a peer of another TP size byte
+slices; runs contiguous on both sides become one entry) and cuts them into batches of at most `max_batch_entries` entries.
 
 Why the batches are cut: over TCP a peer connection queues `MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`
 entries (1024 by default); up to `MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER` more (1024) wait to be
@@ -33,8 +33,9 @@ default, read when an engine is created) plus 1 ns per byte: callers keep a dead
 That deadline is wall time: a host that stalls this long (either end) fails the batch just the same,
 sometimes without a line in Mooncake's log.
 
-Every Mooncake call goes through `_mooncake(what)`, which turns whatever the engine raises into one
-TransferError naming the operation.
+Mooncake's errors are mapped once, here: what the engine raises goes through `mooncake_errors(what)`, a
+non-zero return code through `_check_rc`, each to the most specific typed TransferError; a failed
+batch records its kind (a reset or refused connection, or Mooncake's deadline) on the transfer.
 
 Mooncake logs a lot through glog at INFO. Unless `MC_LOG_LEVEL` is already set, the first transport
 sets it to WARNING; it only takes effect if `mooncake.engine` was not imported before.
@@ -43,7 +44,6 @@ sets it to WARNING; it only takes effect if `mooncake.engine` was not imported b
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import queue
@@ -57,23 +57,19 @@ from typing import Annotated, Any, Callable
 import msgspec
 import numpy as np
 
-from kvconnect.errors import KVConnectError, LayoutError, TransferError
-from kvconnect.regions import BlockIds, MemoryKind, RegionSet
+from kvconnect.descriptors import Pairing, Selection
+from kvconnect.errors import KVConnectError, LayoutError, LocalInvalid, RemoteRejected, TransferError
+from kvconnect.regions import MemoryKind, RegionSet
 from kvconnect.shards import PageSlices
-from kvconnect.transport.base import (
-    RegionIndices,
-    TransferState,
-    Transport,
-    mapped_errors,
-    paired_descriptors,
-)
 from kvconnect.threads import spawn
-from kvconnect.transport.options import check_transport_options
+from kvconnect.transport.base import TransferState, Transport
+from kvconnect.transport.mooncake_errors import check_rc, error_class, failed_batch_kind, mooncake_errors
+from kvconnect.transport.options import DEFAULT_MAX_BATCH_ENTRIES, MooncakeOptions, check_transport_options
 
 log = logging.getLogger(__name__)
 
-# Entries a TCP peer connection queues without an admission wait (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
-DEFAULT_MAX_BATCH_ENTRIES = 1024
+__all__ = ["DEFAULT_MAX_BATCH_ENTRIES", "MooncakeTransport", "import_engine"]  # the first: re-exported
+_DEFAULTS = MooncakeOptions()
 _MAX_METADATA_BYTES = 1024
 _SESSION = re.compile(r"[A-Za-z0-9._-]+:[0-9]{1,5}")
 
@@ -86,16 +82,6 @@ _state_lock = threading.Lock()
 def _close_open_transports() -> None:
     for transport in list(_open):
         transport.close()
-
-
-def _mooncake(what: str) -> contextlib.AbstractContextManager[None]:
-    """Every Mooncake call runs inside this: whatever the library raises becomes a TransferError naming `what`."""
-    return mapped_errors("Mooncake", what)
-
-
-def _check_rc(rc: int, what: str) -> None:
-    if rc != 0:
-        raise TransferError(f"Mooncake {what} (returned {rc})")
 
 
 class _PeerInfo(msgspec.Struct, forbid_unknown_fields=True, frozen=True, tag="mooncake/1"):
@@ -121,7 +107,7 @@ class _Xfer:
     """A posted transfer: its descriptors, the batches submitted so far and its state."""
 
     __slots__ = ("op", "peer_id", "session", "local", "remote", "lengths", "batches", "submitted", "state",
-                 "error", "running", "cancelled")
+                 "error", "kind", "running", "cancelled")
 
     def __init__(self, op: str, peer_id: str, session: str, local: np.ndarray, remote: np.ndarray,
                  lengths: np.ndarray, batch: int, state: TransferState):
@@ -132,7 +118,7 @@ class _Xfer:
         self.batches = -(-lengths.size // batch) if batch else 0
         self.submitted = 0  # batches handed to Mooncake, the failed one included
         self.state = state
-        self.error = ""
+        self.error, self.kind = "", ""  # why it failed, and the TransferError kind of that
         self.running = False  # a batch of it is inside Mooncake right now
         self.cancelled = False
 
@@ -145,13 +131,11 @@ class _Xfer:
 class _Peer:
     """A peer: its session, regions, transfers not yet released, and the worker thread that runs them."""
 
-    __slots__ = ("session", "regions", "slices", "xfers", "jobs", "worker")
+    __slots__ = ("session", "pairing", "xfers", "jobs", "worker")
 
-    def __init__(self, session: str, regions: RegionSet, slices: PageSlices | None, jobs: queue.SimpleQueue,
-                 worker: threading.Thread):
+    def __init__(self, session: str, pairing: Pairing, jobs: queue.SimpleQueue, worker: threading.Thread):
         self.session = session
-        self.regions = regions
-        self.slices = slices
+        self.pairing = pairing  # how its regions pair with ours, checked once at add_peer
         self.xfers: set[_Xfer] = set()
         self.jobs = jobs
         self.worker = worker
@@ -163,8 +147,8 @@ class MooncakeTransport(Transport):
     name = "mooncake"
     label = "Mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", *, protocol: str = "tcp", device: str = "",
-                 max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES, close_timeout_s: float = 30.0):
+    def __init__(self, host: str = _DEFAULTS.host, *, protocol: str = _DEFAULTS.protocol, device: str = _DEFAULTS.device,
+                 max_batch_entries: int = _DEFAULTS.max_batch_entries, close_timeout_s: float = _DEFAULTS.close_timeout_s):
         """Start the engine on `host` (an address peers can reach; a random RPC port is chosen).
 
         `protocol`: "tcp", or "rdma" on RDMA hosts (Mooncake installs RDMA by itself when it finds
@@ -177,12 +161,12 @@ class MooncakeTransport(Transport):
                                                      max_batch_entries=max_batch_entries,
                                                      close_timeout_s=close_timeout_s))
         except KVConnectError as exc:
-            raise TransferError(str(exc)) from None
+            raise LocalInvalid(str(exc)) from None
         engine_mod = import_engine()
         engine = engine_mod.TransferEngine()
-        with _mooncake(f"could not start on {host} over {protocol}"):
-            _check_rc(engine.initialize(host, "P2PHANDSHAKE", protocol, device),
-                      f"could not start on {host} over {protocol}")
+        with mooncake_errors(f"could not start on {host} over {protocol}"):
+            check_rc(engine.initialize(host, "P2PHANDSHAKE", protocol, device),
+                      f"could not start on {host} over {protocol}", TransferError)
         self.host = host
         self.protocol = protocol
         self.max_batch_entries = max_batch_entries
@@ -209,8 +193,8 @@ class MooncakeTransport(Transport):
                                   "(install the `mooncake` extra, not `mooncake-cpu`)")
             rows = regions.registration()
             addrs, sizes = rows[:, 0].tolist(), rows[:, 1].tolist()
-            with _mooncake(f"could not register {regions}"):
-                _check_rc(self._engine.batch_register_memory(addrs, sizes), f"could not register {regions}")
+            with mooncake_errors(f"could not register {regions}"):
+                check_rc(self._engine.batch_register_memory(addrs, sizes), f"could not register {regions}")
             self._regions, self._registered = regions, addrs
 
     def local_metadata(self) -> bytes:
@@ -219,20 +203,21 @@ class MooncakeTransport(Transport):
             self._check_registered("handing out metadata")
             return msgspec.msgpack.encode(_PeerInfo(session=self.session, protocol=self.protocol))
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet | Pairing,
+                 slices: PageSlices | None = None) -> None:
         """Make a peer addressable; nothing is sent until its first transfer opens the connection."""
         with self._lock:
-            self._check_new_peer(peer_id, regions, slices)
+            pairing = self._new_pairing(peer_id, regions, slices)
             info = _parse_metadata(peer_id, metadata)
             if info.protocol != self.protocol:
-                raise TransferError(f"peer {peer_id} runs Mooncake over {info.protocol}, this transport over "
+                raise RemoteRejected(f"peer {peer_id} runs Mooncake over {info.protocol}, this transport over "
                                     f"{self.protocol}")
             session_lock = self._session_locks.setdefault(info.session, threading.Lock())
             jobs: queue.SimpleQueue[_Xfer | None] = queue.SimpleQueue()
             # The worker holds its own reference to the engine, so the engine outlives any batch it runs.
             worker = spawn(_work, name=f"kvconnect-mooncake-{peer_id}",
                            args=(self._engine, jobs, session_lock, self.max_batch_entries))
-            self._peers[peer_id] = _Peer(info.session, regions, slices, jobs, worker)
+            self._peers[peer_id] = _Peer(info.session, pairing, jobs, worker)
 
     def remove_peer(self, peer_id: str) -> None:
         """Forget a peer; its transfers are cancelled (see `cancel`). Does not wait for a running batch."""
@@ -245,19 +230,17 @@ class MooncakeTransport(Transport):
 
     # ---- transfers ----
 
-    def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None) -> _Xfer:
-        """Queue a READ or WRITE of these blocks for the peer's worker; every id is checked first."""
-        with self._lock:
-            peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
-            local, remote = paired_descriptors(self._regions, lids, peer.regions, rids, sel, peer.slices)
-            if local.shape[0] == 0:
-                return _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], 0, TransferState.DONE)
-            xfer = _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], self.max_batch_entries,
-                         TransferState.PENDING)
-            peer.xfers.add(xfer)
-            peer.jobs.put(xfer)
-            return xfer
+    def _post(self, peer_id: str, peer: _Peer, selection: Selection) -> _Xfer:
+        """Queue a checked READ or WRITE for the peer's worker."""
+        local, remote = peer.pairing.rows(selection)
+        op = selection.op
+        if local.shape[0] == 0:
+            return _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], 0, TransferState.DONE)
+        xfer = _Xfer(op, peer_id, peer.session, local[:, 0], remote[:, 0], local[:, 1], self.max_batch_entries,
+                     TransferState.PENDING)
+        peer.xfers.add(xfer)
+        peer.jobs.put(xfer)
+        return xfer
 
     def poll(self, handle: object) -> TransferState:
         """DONE, PENDING or FAILED; a Mooncake failure (a dead peer included) is FAILED."""
@@ -305,8 +288,9 @@ class MooncakeTransport(Transport):
                       "deregistering memory", self.close_timeout_s)
         elif self._registered:
             try:
-                with _mooncake("could not deregister memory"):
-                    _check_rc(self._engine.batch_unregister_memory(self._registered), "could not deregister memory")
+                with mooncake_errors("could not deregister memory"):
+                    check_rc(self._engine.batch_unregister_memory(self._registered), "could not deregister memory",
+                              TransferError)
             except TransferError as exc:
                 log.warning("kvconnect mooncake: %s", exc)
         self._registered = []
@@ -316,7 +300,7 @@ class MooncakeTransport(Transport):
 
     def _xfer(self, handle: object) -> _Xfer:
         if not isinstance(handle, _Xfer):
-            raise TransferError(f"not a Mooncake transfer handle: {handle!r}")
+            raise LocalInvalid(f"not a Mooncake transfer handle: {handle!r}")
         return handle
 
     def _retire(self, peer: _Peer, why: str) -> None:
@@ -338,7 +322,7 @@ def _work(engine: Any, jobs: queue.SimpleQueue, session_lock: threading.Lock, st
         try:
             _run(xfer, calls[xfer.op], session_lock, step)
         except Exception as exc:  # the worker must outlive any one transfer
-            _end_batch(xfer, f"{type(exc).__name__}: {exc}")
+            _end_batch(xfer, f"{type(exc).__name__}: {exc}", kind=error_class(exc).kind)
             log.warning("kvconnect mooncake: %s with %s failed: %s", xfer.op, xfer.peer_id, exc)
 
 
@@ -358,21 +342,22 @@ def _run(xfer: _Xfer, call: Callable[..., int], session_lock: threading.Lock, st
         if rc != 0:
             # How long it ran tells a refused or reset connection (well under a second) from Mooncake's
             # own deadline, which it reports the same way and logs only at INFO.
-            why = f"batch {xfer.submitted}/{xfer.batches} returned {rc} after {time.monotonic() - t0:.1f} s"
+            took = time.monotonic() - t0
+            why = f"batch {xfer.submitted}/{xfer.batches} returned {rc} after {took:.1f} s"
             log.warning("kvconnect mooncake: %s with %s (%s) failed: %s", xfer.op, xfer.peer_id, xfer.session, why)
-            _end_batch(xfer, why)
+            _end_batch(xfer, why, kind=failed_batch_kind(rc, took))
             return
         _end_batch(xfer, None, last=stop >= xfer.lengths.size)
 
 
-def _end_batch(xfer: _Xfer, error: str | None, last: bool = False) -> None:
+def _end_batch(xfer: _Xfer, error: str | None, last: bool = False, kind: str = "") -> None:
     """A batch returned: the transfer fails (error, or cancelled meanwhile), is done (last batch), or goes on."""
     with _state_lock:
         xfer.running = False
         if xfer.state is not TransferState.PENDING:
             return
         if error is not None or xfer.cancelled:
-            xfer.state, xfer.error = TransferState.FAILED, error or xfer.error
+            xfer.state, xfer.error, xfer.kind = TransferState.FAILED, error or xfer.error, kind
         elif last:
             xfer.state = TransferState.DONE
 
@@ -389,11 +374,11 @@ def _fail(xfer: _Xfer, why: str) -> None:
 
 def _parse_metadata(peer_id: str, metadata: bytes) -> _PeerInfo:
     if not isinstance(metadata, (bytes, bytearray, memoryview)) or len(metadata) > _MAX_METADATA_BYTES:
-        raise TransferError(f"peer {peer_id}: Mooncake metadata must be bytes of at most {_MAX_METADATA_BYTES}")
+        raise RemoteRejected(f"peer {peer_id}: Mooncake metadata must be bytes of at most {_MAX_METADATA_BYTES}")
     try:
         info = _decode_info(metadata)
     except msgspec.DecodeError as exc:
-        raise TransferError(f"peer {peer_id}: not Mooncake transport metadata ({exc})") from exc
+        raise RemoteRejected(f"peer {peer_id}: not Mooncake transport metadata ({exc})") from exc
     if not _SESSION.fullmatch(info.session):
-        raise TransferError(f"peer {peer_id}: bad Mooncake session name {info.session!r}")
+        raise RemoteRejected(f"peer {peer_id}: bad Mooncake session name {info.session!r}")
     return info

@@ -1,19 +1,16 @@
 """NIXL transport: one agent per worker, UCX by default, DRAM or VRAM regions.
 
 Memory is registered once. At `register` every block of every region becomes one row of a prepared
-local descriptor list; at `add_peer` the same is done for the peer's regions, as long as the peer's
-blocks fit `prepared_rows` (then a post is two index arrays handed to `make_prepped_xfer`, no
-descriptor built per request). A peer whose regions hold more blocks than that is not prepared:
-its posts build their descriptors with numpy for exactly the blocks they move, so what a peer
-claims to have never costs this process memory, only what it actually reads does. NIXL merges index
-runs contiguous in memory on both sides into one descriptor. Between processes on one host UCX
-copies with CMA inside `post` itself (the GIL is released meanwhile), so a post can take as long as
-the copy; across hosts it returns at once and `poll` tracks the transfer.
+local descriptor list (`kvconnect.descriptors.block_table`); at `add_peer` the same is done for the
+peer's regions if its blocks fit `prepared_rows` (a post is then two index arrays handed to
+`make_prepped_xfer`). A larger peer is not prepared: its posts build rows for exactly the blocks they
+move, so what a peer claims to have never costs this process memory. NIXL merges index runs
+contiguous on both sides into one descriptor. On one host UCX copies with CMA inside `post` itself
+(the GIL released), so a post can take as long as the copy; across hosts `poll` tracks it.
 
-Every NIXL call goes through `_nixl(what)`, which turns whatever NIXL raises into one TransferError
-naming the operation. A peer process that dies shows up as NIXL_ERR_REMOTE_DISCONNECT on the post or
-a later poll (FAILED); a peer host that vanishes without closing its sockets may stay PENDING until
-UCX times out, so callers keep a deadline of their own.
+Every NIXL call runs inside `nixl_errors(what)`, which maps what NIXL raises to a typed TransferError.
+A peer process that dies shows up as NIXL_ERR_REMOTE_DISCONNECT on the post or a later poll (FAILED);
+a peer host that vanishes without closing its sockets may stay PENDING until UCX times out.
 
 NIXL cannot recall a transfer: releasing a pending UCX request, or removing its peer's agent, returns
 at once while the bytes still arrive afterwards (seen here with UCX over TCP: a READ released while
@@ -30,9 +27,7 @@ The memory behind the registered regions must stay allocated until `close()`.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -41,18 +36,23 @@ from typing import Sequence
 
 import numpy as np
 
-from kvconnect.errors import LayoutError, TransferError
-from kvconnect.regions import BlockIds, MemoryKind, RegionSet
+from kvconnect.descriptors import Pairing, Selection, block_table, table_indices
+from kvconnect.errors import LayoutError, LocalInvalid, TransferError
+from kvconnect.regions import MemoryKind, RegionSet
 from kvconnect.shards import PageSlices
-from kvconnect.transport.base import RegionIndices, TransferState, Transport, mapped_errors, paired_descriptors
 from kvconnect.threads import spawn
+from kvconnect.transport.base import TransferState, Transport
+from kvconnect.transport.nixl_errors import nixl_errors, quietly
+from kvconnect.transport.options import DEFAULT_PREPARED_ROWS, NixlOptions
+from kvconnect.transport.ucx import skip_ucx_ib_without_devices
+
+__all__ = ["DEFAULT_PREPARED_ROWS", "NixlTransport", "skip_ucx_ib_without_devices"]  # the last two: re-exported
 
 log = logging.getLogger(__name__)
 
 _LOCAL = "NIXL_INIT_AGENT"
 _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}
-# Blocks of a peer prepared up front: 24 bytes of numpy plus about 8 of NIXL per block, 64 MiB in all.
-DEFAULT_PREPARED_ROWS = 2 << 20
+_DEFAULTS = NixlOptions()
 _open: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
 # Agents closed while a transfer was still writing their memory: kept alive until the process exits.
 _unfinished: list[object] = []
@@ -64,52 +64,6 @@ def _close_open_transports() -> None:
         transport.close()
 
 
-def skip_ucx_ib_without_devices() -> None:
-    """Keep UCX from loading its InfiniBand module on a host that has no RDMA device.
-
-    Some hosts ship rdma-core's userspace libraries without any RDMA device; there UCX's ib module
-    pulls a second copy of libnl into the process and its destructor was seen to crash the process at
-    exit. Without a device the module has nothing to do. An explicit UCX_MODULES is left alone.
-    """
-    if "UCX_MODULES" in os.environ:
-        return
-    try:
-        devices = os.listdir("/sys/class/infiniband")
-    except OSError:
-        devices = []
-    if not devices:
-        os.environ["UCX_MODULES"] = "^ib"
-
-
-def _nixl(what: str) -> contextlib.AbstractContextManager[None]:
-    """Every NIXL call runs inside this: whatever the library raises becomes a TransferError naming `what`."""
-    return mapped_errors("NIXL", what)
-
-
-def _quietly(what: str, fn, *args) -> bool:
-    """Run a NIXL clean-up call; log and return False if it fails (clean-up goes on regardless)."""
-    try:
-        with _nixl(what):
-            fn(*args)
-        return True
-    except TransferError as exc:
-        log.warning("kvconnect nixl: %s", exc)
-        return False
-
-
-def _block_table(regions: RegionSet) -> tuple[np.ndarray, np.ndarray]:
-    """One `(addr, nbytes, device)` row per block, region-major, and each region's first row index."""
-    counts = np.array([r.num_blocks for r in regions], dtype=np.int64)
-    offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    rows = np.empty((int(counts.sum()), 3), dtype=np.uint64)
-    for r, start in zip(regions, offsets.tolist()):
-        block = np.arange(r.num_blocks, dtype=np.uint64)
-        rows[start:start + r.num_blocks, 0] = np.uint64(r.base_addr) + block * np.uint64(r.block_stride)
-        rows[start:start + r.num_blocks, 1] = r.block_bytes
-        rows[start:start + r.num_blocks, 2] = r.device_id
-    return rows, offsets
-
-
 def _memory_kind(regions: RegionSet, whose: str) -> MemoryKind:
     kinds = regions.memory_kinds()
     if len(kinds) != 1:
@@ -118,14 +72,10 @@ def _memory_kind(regions: RegionSet, whose: str) -> MemoryKind:
     return next(iter(kinds))
 
 
-def _indices(offsets: np.ndarray, sel: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    return (offsets[sel][:, None] + ids[None, :]).ravel().astype(np.int32)
-
-
 class _Xfer:
     """A posted transfer: the NIXL handle (None once released), its peer, its state and what was asked of it."""
 
-    __slots__ = ("handle", "peer", "peer_id", "state", "cancelled", "released")
+    __slots__ = ("handle", "peer", "peer_id", "state", "cancelled", "released", "kind")
 
     def __init__(self, handle: object, peer: _Peer | None, peer_id: str, state: TransferState):
         self.handle = handle
@@ -134,19 +84,19 @@ class _Xfer:
         self.state = state
         self.cancelled = False  # asked to stop: reads FAILED once NIXL says it is over
         self.released = False  # the caller let go: the handle is freed once NIXL says it is over
+        self.kind = ""  # the TransferError kind NIXL failed it with, when it said
 
     def __repr__(self) -> str:
         return f"<nixl transfer with {self.peer_id}: {self.state.value}>"
 
 
 class _Peer:
-    __slots__ = ("agent", "regions", "kind", "slices", "offsets", "dlist", "xfers")
+    __slots__ = ("agent", "pairing", "kind", "offsets", "dlist", "xfers")
 
-    def __init__(self, agent: str, regions: RegionSet, kind: MemoryKind, slices: PageSlices | None):
+    def __init__(self, agent: str, pairing: Pairing, kind: MemoryKind):
         self.agent = agent
-        self.regions = regions
+        self.pairing = pairing  # how its regions pair with ours, checked once at add_peer
         self.kind = kind
-        self.slices = slices
         self.offsets: np.ndarray | None = None
         self.dlist: object = None  # prepared list of every peer block, when within the budget
         self.xfers: set[_Xfer] = set()  # not yet released
@@ -166,9 +116,11 @@ class NixlTransport(Transport):
     name = "nixl"
     label = "NIXL"
 
-    def __init__(self, agent_name: str | None = None, *, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 4, progress_thread: bool = False, progress_interval_s: float = 0.0005,
-                 prepared_rows: int = DEFAULT_PREPARED_ROWS):
+    def __init__(self, agent_name: str | None = _DEFAULTS.agent_name, *,
+                 backends: Sequence[str] = _DEFAULTS.backends, num_threads: int = _DEFAULTS.num_threads,
+                 progress_thread: bool = _DEFAULTS.progress_thread,
+                 progress_interval_s: float = _DEFAULTS.progress_interval_s,
+                 prepared_rows: int = _DEFAULTS.prepared_rows):
         """Create the agent; with neither progress thread nor interval this side must only initiate and poll.
 
         `num_threads` UCX workers share a post's descriptors: with per-block descriptors (random block
@@ -183,10 +135,10 @@ class NixlTransport(Transport):
         self.prepared_rows = int(prepared_rows)
         config = nixl_api.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
                                             num_threads=num_threads)
-        with _nixl(f"could not create an agent with backends {list(backends)}"):
+        with nixl_errors(f"could not create an agent with backends {list(backends)}"):
             self._agent = nixl_api.nixl_agent(self.agent_name, config)
         if not self._agent.backends:
-            raise TransferError(f"none of the NIXL backends {list(backends)} is available "
+            raise LocalInvalid(f"none of the NIXL backends {list(backends)} is available "
                                 f"(plugins: {self._agent.get_plugin_list()})")
         self._lock = threading.RLock()
         self._regions: RegionSet | None = None
@@ -222,11 +174,11 @@ class NixlTransport(Transport):
         with self._lock:
             self._check_registering()
             kind = _memory_kind(regions, "local")
-            rows, offsets = _block_table(regions)
+            rows, offsets = block_table(regions)
             if rows.shape[0] > np.iinfo(np.int32).max:
                 raise LayoutError(f"{rows.shape[0]} blocks in all regions: NIXL indexes descriptors with int32")
             try:
-                with _nixl(f"could not register {regions}"):
+                with nixl_errors(f"could not register {regions}"):
                     self._reg = self._agent.register_memory(regions.registration(), kind.value)
                     self._dlist = self._agent.prep_xfer_dlist(_LOCAL, rows, kind.value)
             except TransferError:
@@ -240,17 +192,19 @@ class NixlTransport(Transport):
             self._check_registered("handing out metadata")
             return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet, slices: PageSlices | None = None) -> None:
+    def add_peer(self, peer_id: str, metadata: bytes, regions: RegionSet | Pairing,
+                 slices: PageSlices | None = None) -> None:
         """Load a peer agent and, within the budget, prepare its block list (not for a peer paired by
         slices: the local list holds whole blocks, so its posts build descriptors for their ranges)."""
         with self._lock:
-            self._check_new_peer(peer_id, regions, slices)
-            kind = _memory_kind(regions, f"peer {peer_id}")
-            peer = _Peer(self._load_agent(peer_id, metadata), regions, kind, slices)
+            pairing = self._new_pairing(peer_id, regions, slices)
+            theirs = pairing.remote
+            kind = _memory_kind(theirs, f"peer {peer_id}")
+            peer = _Peer(self._load_agent(peer_id, metadata), pairing, kind)
             try:
-                if slices is None and sum(r.num_blocks for r in regions) <= self.prepared_rows:
-                    rows, peer.offsets = _block_table(regions)
-                    with _nixl(f"could not prepare peer {peer_id}'s blocks"):
+                if pairing.slices is None and sum(r.num_blocks for r in theirs) <= self.prepared_rows:
+                    rows, peer.offsets = block_table(theirs)
+                    with nixl_errors(f"could not prepare peer {peer_id}'s blocks"):
                         peer.dlist = self._agent.prep_xfer_dlist(peer.agent, rows, kind.value)
             except TransferError:
                 self._unload_agent(peer.agent)
@@ -268,7 +222,7 @@ class NixlTransport(Transport):
         if bytes(metadata) == bytes(self._agent.get_agent_metadata()):
             agent = self.agent_name  # loopback: NIXL addresses its own memory by its own name
         else:
-            with _nixl(f"refused the metadata of peer {peer_id}"):
+            with nixl_errors(f"refused the metadata of peer {peer_id}"):
                 loaded = self._agent.add_remote_agent(metadata)
             agent = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         self._agents[agent] = self._agents.get(agent, 0) + 1
@@ -281,7 +235,7 @@ class NixlTransport(Transport):
             return
         self._agents.pop(agent, None)
         if agent != self.agent_name:
-            _quietly(f"removing agent {agent}", self._agent.remove_remote_agent, agent)
+            quietly(f"removing agent {agent}", self._agent.remove_remote_agent, agent)
 
     def remove_peer(self, peer_id: str) -> None:
         """Forget a peer: its transfers are cancelled; its agent goes once NIXL has finished them."""
@@ -296,34 +250,32 @@ class NixlTransport(Transport):
 
     # ---- transfers ----
 
-    def post(self, op: str, peer_id: str, local_ids: BlockIds, remote_ids: BlockIds, *,
-             regions: RegionIndices = None) -> _Xfer:
-        """Post a READ or WRITE of these blocks; every id is checked before NIXL sees any."""
-        with self._lock:
-            peer, sel, lids, rids = self._checked_post(op, peer_id, local_ids, remote_ids, regions)
-            if lids.size == 0 or sel.size == 0:
-                return _Xfer(None, None, peer_id, TransferState.DONE)
-            what = f"{op} of {lids.size * sel.size} blocks with {peer_id}"
-            with _nixl(f"could not make a {what}"):
-                if peer.dlist is not None:
-                    handle = self._agent.make_prepped_xfer(op, self._dlist, _indices(self._offsets, sel, lids),
-                                                           peer.dlist, _indices(peer.offsets, sel, rids), b"")
-                else:
-                    local, remote = paired_descriptors(self._regions, lids, peer.regions, rids, sel, peer.slices)
-                    handle = self._agent.initialize_xfer(op, self._agent.get_xfer_descs(local, self._kind.value),
-                                                         self._agent.get_xfer_descs(remote, peer.kind.value),
-                                                         peer.agent, b"")
-            try:
-                with _nixl(f"{what} failed when posted"):
-                    status = self._agent.transfer(handle)
-                if status not in _STATES:
-                    raise TransferError(f"NIXL {what} failed when posted ({status})")
-            except TransferError:
-                _quietly("releasing a transfer handle", self._agent.release_xfer_handle, handle)
-                raise
-            xfer = _Xfer(handle, peer, peer_id, _STATES[status])
-            peer.xfers.add(xfer)
-            return xfer
+    def _post(self, peer_id: str, peer: _Peer, selection: Selection) -> _Xfer:
+        """Post a checked READ or WRITE: prepared index lists where the peer has them, else its rows."""
+        op, sel, lids, rids = selection.op, selection.regions, selection.local_ids, selection.remote_ids
+        if selection.blocks == 0:
+            return _Xfer(None, None, peer_id, TransferState.DONE)
+        what = f"{op} of {selection.blocks} blocks with {peer_id}"
+        with nixl_errors(f"could not make a {what}"):
+            if peer.dlist is not None:
+                handle = self._agent.make_prepped_xfer(op, self._dlist, table_indices(self._offsets, sel, lids),
+                                                       peer.dlist, table_indices(peer.offsets, sel, rids), b"")
+            else:
+                local, remote = peer.pairing.rows(selection)
+                handle = self._agent.initialize_xfer(op, self._agent.get_xfer_descs(local, self._kind.value),
+                                                     self._agent.get_xfer_descs(remote, peer.kind.value),
+                                                     peer.agent, b"")
+        try:
+            with nixl_errors(f"{what} failed when posted"):
+                status = self._agent.transfer(handle)
+            if status not in _STATES:
+                raise TransferError(f"NIXL {what} failed when posted ({status})")
+        except TransferError:
+            quietly("releasing a transfer handle", self._agent.release_xfer_handle, handle)
+            raise
+        xfer = _Xfer(handle, peer, peer_id, _STATES[status])
+        peer.xfers.add(xfer)
+        return xfer
 
     def poll(self, handle: object) -> TransferState:
         """DONE, PENDING or FAILED; a NIXL error (a dead peer included) is FAILED."""
@@ -392,7 +344,7 @@ class NixlTransport(Transport):
 
     def _xfer(self, handle: object) -> _Xfer:
         if not isinstance(handle, _Xfer):
-            raise TransferError(f"not a NIXL transfer handle: {handle!r}")
+            raise LocalInvalid(f"not a NIXL transfer handle: {handle!r}")
         return handle
 
     def _refresh(self, xfer: _Xfer) -> None:
@@ -401,11 +353,11 @@ class NixlTransport(Transport):
             xfer.state = TransferState.FAILED
             return
         try:
-            with _nixl(f"transfer with {xfer.peer_id}"):
+            with nixl_errors(f"transfer with {xfer.peer_id}"):
                 status = self._agent.check_xfer_state(xfer.handle)
         except TransferError as exc:
             log.warning("kvconnect nixl: %s", exc)
-            status = "ERR"
+            status, xfer.kind = "ERR", exc.kind
         state = _STATES.get(status, TransferState.FAILED)
         if state is TransferState.DONE and xfer.cancelled:
             state = TransferState.FAILED
@@ -414,7 +366,7 @@ class NixlTransport(Transport):
     def _free(self, xfer: _Xfer) -> None:
         """Release a finished transfer's handle and forget it."""
         if xfer.handle is not None and self._agent is not None:
-            _quietly(f"releasing a transfer with {xfer.peer_id}", self._agent.release_xfer_handle, xfer.handle)
+            quietly(f"releasing a transfer with {xfer.peer_id}", self._agent.release_xfer_handle, xfer.handle)
         xfer.handle = None
         if xfer.peer is not None:
             xfer.peer.xfers.discard(xfer)
@@ -432,15 +384,15 @@ class NixlTransport(Transport):
                 still.append(peer)
                 continue
             if peer.dlist is not None:
-                _quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
+                quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
             self._unload_agent(peer.agent)
         self._retiring = still
         return bool(still)
 
     def _undo_register(self) -> None:
         if self._dlist is not None:
-            _quietly("releasing the local prepared list", self._agent.release_dlist_handle, self._dlist)
+            quietly("releasing the local prepared list", self._agent.release_dlist_handle, self._dlist)
             self._dlist = None
         if self._reg is not None:
-            _quietly("deregistering memory", self._agent.deregister_memory, self._reg)
+            quietly("deregistering memory", self._agent.deregister_memory, self._reg)
             self._reg = None

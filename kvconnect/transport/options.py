@@ -1,8 +1,9 @@
-"""Each backend's options as a typed struct, checked without importing the backend, and transports by name.
+"""Each backend's options as a typed struct, checked without importing the backend: the one home of their defaults.
 
 `check_transport_options("nixl", {"backends": ["UCX"]})` refuses unknown keys and wrong types with
 a message naming the key, so a configuration error shows when the configuration is read, not when
-the engine registers its KV cache minutes later.
+the engine registers its KV cache minutes later. The backends take their constructor defaults from
+these structs; `kvconnect.transport.make_transport` builds a transport by name.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import msgspec
 from msgspec import Meta
 
 from kvconnect.errors import KVConnectError
-from kvconnect.transport.base import Transport
+
+# Blocks of a NIXL peer prepared up front: 24 bytes of numpy plus about 8 of NIXL per block, 64 MiB in all.
+DEFAULT_PREPARED_ROWS = 2 << 20
+# Entries a Mooncake TCP peer connection queues without an admission wait (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER).
+DEFAULT_MAX_BATCH_ENTRIES = 1024
 
 _Options: Any = dict(forbid_unknown_fields=True, frozen=True, kw_only=True)
 _Name = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -28,7 +33,7 @@ class NixlOptions(msgspec.Struct, **_Options):
     num_threads: Annotated[int, Meta(ge=0, le=256)] = 4
     progress_thread: bool = False
     progress_interval_s: Annotated[float, Meta(ge=0, le=1)] = 0.0005
-    prepared_rows: Annotated[int, Meta(ge=0)] = 2 << 20
+    prepared_rows: Annotated[int, Meta(ge=0)] = DEFAULT_PREPARED_ROWS
 
 
 class MooncakeOptions(msgspec.Struct, **_Options):
@@ -37,7 +42,7 @@ class MooncakeOptions(msgspec.Struct, **_Options):
     host: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]+$")] = "127.0.0.1"
     protocol: str = "tcp"
     device: str = ""
-    max_batch_entries: Annotated[int, Meta(ge=1)] = 1024
+    max_batch_entries: Annotated[int, Meta(ge=1)] = DEFAULT_MAX_BATCH_ENTRIES
     close_timeout_s: Annotated[float, Meta(gt=0)] = 30.0
 
 
@@ -61,13 +66,8 @@ def check_transport_options(backend: str, options: Mapping[str, Any]) -> msgspec
     return parsed
 
 
-def make_transport(backend: str, options: Mapping[str, Any]) -> Transport:
-    """A new transport of `backend` with these options (checked first)."""
-    parsed = msgspec.structs.asdict(check_transport_options(backend, options))
-    if backend == "nixl":
-        from kvconnect.transport.nixl import NixlTransport
-
-        return NixlTransport(**parsed)
-    from kvconnect.transport.mooncake import MooncakeTransport
-
-    return MooncakeTransport(**parsed)
+def __getattr__(name: str) -> object:
+    """Names that moved out of this module fail with a message naming their new home."""
+    if name == "make_transport":
+        raise ImportError("kvconnect.transport.options.make_transport moved to kvconnect.transport.make_transport")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

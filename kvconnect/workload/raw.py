@@ -32,7 +32,7 @@ class RawSide:
             return
         import nixl._api as nixl_api
 
-        from kvconnect.transport.nixl import skip_ucx_ib_without_devices
+        from kvconnect.transport.ucx import skip_ucx_ib_without_devices
 
         skip_ucx_ib_without_devices()
         self.nbytes = nbytes

@@ -208,7 +208,8 @@ def _backend_only(conns: list, local: np.ndarray, remote: np.ndarray) -> float:
 def descriptor_build_ms(blocks: int = 131072, heads: int = 8, repeat: int = 5) -> tuple[float, int]:
     """Best milliseconds to build the descriptors of a 2 -> 1 head split of `blocks` blocks (one layer), and their count."""
     from kvconnect.regions import MemoryKind, Region, RegionSet
-    from kvconnect.shards import attention, page_slices, slice_descriptors
+    from kvconnect.descriptors import slice_descriptors
+    from kvconnect.shards import attention, page_slices
 
     unit = 16 * 256 * 2
     whole, half = attention(16, heads, 256 * 2, heads, True), attention(16, heads // 2, 256 * 2, heads, True)

@@ -2,7 +2,9 @@
 
 vLLM builds each connector twice, in the scheduler process (role SCHEDULER) and in each worker
 (role WORKER). A facade builds the half its role needs and forwards vLLM's hooks to it; every
-decision lives in `pd_scheduler`/`offload_scheduler`, every byte in `pd_worker`/`offload_worker`.
+decision lives in the schedulers (`pull_scheduler`/`push_scheduler` over `pd_scheduler`, and
+`offload_scheduler`), every byte in the workers (`pull_worker`/`push_worker` over `pd_worker`, and
+`offload_worker`). The P/D connectors pick their pull or push classes once, from `mode`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ from kvconnect.integrations.vllm.config import OffloadConfig, PDConfig, kv_role,
 from kvconnect.integrations.vllm.groups import kv_groups
 from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
 from kvconnect.integrations.vllm.offload_worker import OffloadWorker
-from kvconnect.integrations.vllm.pd_scheduler import PDScheduler
-from kvconnect.integrations.vllm.pd_worker import PDWorker
+from kvconnect.integrations.vllm.pd_scheduler import PDSchedulerBase
+from kvconnect.integrations.vllm.pd_worker import PDWorkerBase
+from kvconnect.integrations.vllm.pull_scheduler import PullScheduler
+from kvconnect.integrations.vllm.pull_worker import PullWorker
+from kvconnect.integrations.vllm.push_scheduler import PushScheduler
+from kvconnect.integrations.vllm.push_worker import LayerwisePushWorker, PushWorker
 from kvconnect.integrations.vllm.stats import KVConnectStats
 from kvconnect.integrations.vllm.tiers import tier_namespace
 from kvconnect.integrations.vllm.tp import layer_shards, tp_rank, tp_size
@@ -44,6 +50,13 @@ log = logging.getLogger("kvconnect.vllm")
 
 # vLLM's attention layout names, as kvconnect's logical-order names (compared at handshake).
 _LAYOUTS = {"HND": "LBHNC", "NHD": "LBNHC"}
+
+
+def _roles(config: PDConfig) -> tuple[type[PDSchedulerBase], type[PDWorkerBase]]:
+    """The scheduler and worker classes of the configured mode (chosen once, when vLLM builds the connector)."""
+    if config.mode == "pull":
+        return PullScheduler, PullWorker
+    return PushScheduler, LayerwisePushWorker if config.layerwise else PushWorker
 
 
 def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
@@ -106,7 +119,7 @@ class _Facade(KVConnectorBase_V1, SupportsHMA):
 
 
 class _PDConnector(_Facade):
-    """P/D disaggregation (pull) on kvconnect's KVConnector; subclasses set `backend`."""
+    """P/D disaggregation (pull, or push with `mode`) on kvconnect's KVConnector; subclasses set `backend`."""
 
     backend = ""
 
@@ -119,16 +132,17 @@ class _PDConnector(_Facade):
         groups = kv_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        scheduler_role, worker_role = _roles(config)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PDScheduler(config, engine_id=engine_id, groups=groups,
-                                         blocks_of=lambda rid: self._kv_cache_manager.get_block_ids(rid))
+            self.scheduler = scheduler_role(config, engine_id=engine_id, groups=groups,
+                                            blocks_of=lambda rid: self._kv_cache_manager.get_block_ids(rid))
         else:
             layout = _layout(vllm_config, kv_cache_config)
             total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
-            self.worker = PDWorker(config, engine_id=engine_id, role=our_role, backend=self.backend,
-                                   block_size=block_size, layout=layout, groups=groups.groups, rank=tp_rank(),
-                                   world_size=tp, shards_of=lambda caches: layer_shards(kv_cache_config, caches,
-                                                                                       total_heads, layout))
+            self.worker = worker_role(config, engine_id=engine_id, role=our_role, backend=self.backend,
+                                      block_size=block_size, layout=layout, groups=groups.groups, rank=tp_rank(),
+                                      world_size=tp, shards_of=lambda caches: layer_shards(kv_cache_config, caches,
+                                                                                          total_heads, layout))
         self._groups = groups
 
     def on_new_request(self, request: Request) -> None:

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvconnect.regions import KVGroup
+from kvconnect.kvgroups import KVGroup
 
 ENV = "KVCONNECT_DUMP_DIR"
 

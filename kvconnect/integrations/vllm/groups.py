@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from kvconnect.regions import KVGroup
+from kvconnect.kvgroups import KVGroup
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

@@ -18,10 +18,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvconnect import wire
+
 _Struct: Any = dict(frozen=True, kw_only=True)
 
 
-class Hold(msgspec.Struct, **_Struct):
+class HoldOrder(msgspec.Struct, **_Struct):
     """Prefill: this request's prompt is computed; hold its blocks (one list per KV group) under a lease."""
 
     request_id: str
@@ -30,7 +32,7 @@ class Hold(msgspec.Struct, **_Struct):
     push_key: str = ""  # push mode: write the blocks into those the decode offers under this key
 
 
-class Offer(msgspec.Struct, **_Struct):
+class OfferOrder(msgspec.Struct, **_Struct):
     """Decode, push mode: offer these blocks to the prefill at host:port for the request named `key`."""
 
     request_id: str
@@ -41,19 +43,26 @@ class Offer(msgspec.Struct, **_Struct):
     port: int
 
 
-class Load(msgspec.Struct, **_Struct):
-    """Decode: pull the blocks that `params` (vLLM's kv_transfer_params) name into these local blocks."""
+class LoadOrder(msgspec.Struct, **_Struct):
+    """Decode: pull the blocks `params` name into these local blocks."""
 
     request_id: str
     block_ids: list[list[int]]
-    params: dict[str, Any]
+    params: wire.TransferParams
 
 
-class Release(msgspec.Struct, **_Struct):
+class RefusedLoad(msgspec.Struct, **_Struct):
+    """Decode: a load whose params the scheduler refused; the worker reports it failed (stage params)."""
+
+    request_id: str
+    reason: str
+
+
+class ReleaseOrder(msgspec.Struct, **_Struct):
     """Decode: the engine already holds every block `params` name; tell the producer to free them."""
 
     request_id: str
-    params: dict[str, Any]
+    params: wire.TransferParams
 
 
 class OffloadLoad(msgspec.Struct, **_Struct):
@@ -85,10 +94,11 @@ class OffloadStore(msgspec.Struct, **_Struct):
 class KVConnectMeta(KVConnectorMetadata):
     """Scheduler -> worker, every step."""
 
-    holds: list[Hold] = field(default_factory=list)
-    loads: list[Load] = field(default_factory=list)
-    releases: list[Release] = field(default_factory=list)
-    offers: list[Offer] = field(default_factory=list)
+    holds: list[HoldOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+    refused: list[RefusedLoad] = field(default_factory=list)
+    releases: list[ReleaseOrder] = field(default_factory=list)
+    offers: list[OfferOrder] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     offload_loads: list[OffloadLoad] = field(default_factory=list)
     offload_stores: list[OffloadStore] = field(default_factory=list)
@@ -128,3 +138,12 @@ class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
             self.disk_stored += other.disk_stored
             self.disk_gone += other.disk_gone
         return self
+
+
+_RENAMED = {"Hold": "HoldOrder", "Offer": "OfferOrder", "Load": "LoadOrder", "Release": "ReleaseOrder"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        raise AttributeError(f"{__name__}.{name} was renamed {_RENAMED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,17 +1,13 @@
-"""The scheduler-side half of KVConnectNixl and KVConnectMooncake: what to hold, load, release, abort.
+"""What the scheduler-side halves of KVConnectNixl and KVConnectMooncake share, whatever the mode.
 
 Prefill: a request with `do_remote_decode` is tracked; in the step that computes the end of its
-prompt the worker is told to hold its blocks (`Hold`, per group the blocks `groups` selects), right
-after that forward pass and before the engine can return the request; `request_finished` then keeps
-the blocks and hands out the params. A model with a whole-sequence state (Mamba) stops one prompt
+prompt the worker is told to hold its blocks (`HoldOrder`, per group the blocks `groups` selects),
+right after that forward pass and before the engine can return the request; `request_finished` then
+keeps the blocks and hands them out. A model with a whole-sequence state (Mamba) stops one prompt
 token short, so that decode feeds it on top of the state it loads (see `groups`).
-Decode: a request with `do_remote_prefill` is an asynchronous external hit for the tokens prefill
-computed; its producer's lease is heartbeated from the moment the scheduler sees it
-(`on_new_request`), so a long queue never loses it; after allocation the worker is told which local
-blocks to pull into (`Load`), or, with nothing to pull, to release the producer's blocks (`Release`).
-Push mode (`push_key` in the params): the decode offers its blocks right after allocation (`Offer`)
-and waits for the WRITE like for a load; the prefill holds as in pull and writes instead of handing
-out params.
+Decode requests, and how held blocks are handed out, are the mode's: `pull_scheduler` (params for
+decode to read with) and `push_scheduler` (offers, and WRITEs instead of params). The mode's class is
+chosen once, when vLLM builds the connector.
 """
 
 from __future__ import annotations
@@ -21,22 +17,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvconnect import wire
-from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.groups import Groups
-from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Load, Offer, Release
-from kvconnect.integrations.vllm.params import (
-    PushSource,
-    from_vllm,
-    push_key,
-    push_source,
-    to_vllm,
-    wants_identity,
-    wants_remote_decode,
-    wants_remote_prefill,
-)
+from kvconnect.integrations.vllm.meta import HoldOrder, KVConnectHandshake, KVConnectMeta
+from kvconnect.integrations.vllm.params import wants_identity, wants_remote_decode
 from kvconnect.integrations.vllm.stats import StatsFile
-from kvconnect.pd.keeper import LeaseKeeper
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -49,9 +34,13 @@ log = logging.getLogger("kvconnect.vllm")
 _WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "loads_ok", "loads_failed": "loads_failed",
                 "layers_streamed": "layers_streamed"}
 
+Held = tuple[list[list[int]], int, float]  # a held prompt's block ids, tokens, hold time
 
-class PDScheduler:
-    """Decides, per step, which requests' blocks the worker holds, pulls, releases or aborts."""
+
+class PDSchedulerBase:
+    """Decides, per step, which prompts' blocks the worker holds; the mode's subclass does the rest."""
+
+    mode = ""
 
     def __init__(self, config: PDConfig, *, engine_id: str, groups: Groups,
                  blocks_of: Callable[[str], tuple[list[int], ...]]):
@@ -63,36 +52,51 @@ class PDScheduler:
         self._ranks: tuple[wire.RankAddr, ...] = ()  # every TP rank's side channel, when there are several
         self._meta = KVConnectMeta()
         self._prefilling: dict[str, Request] = {}  # do_remote_decode requests not yet held
-        self._held: dict[str, tuple[list[list[int]], int, float]] = {}  # ids, tokens, hold time
+        self._held: dict[str, Held] = {}
         self._sending: dict[str, int] = {}  # request -> blocks vLLM keeps for it until finished_sending
-        self._loading: dict[str, str] = {}  # decode request -> producer request id it reads
-        self._pushing: dict[str, PushSource] = {}  # decode request -> the push it waits for
-        self._push_held: set[str] = set()  # prefill requests held to be written into a decode's blocks
         self._counters = {"handed_out": 0, "released": 0}
         self._worker: dict[str, float] = {}  # what the workers reported, summed (their leases, their loads)
         self._stats_file = StatsFile(config.stats_path)
-        self._keeper = LeaseKeeper(engine_id=engine_id, secret=config.secret, heartbeat_s=config.heartbeat_s,
-                                   timeout_s=config.handshake_timeout_s)
 
-    # ---- decode side ----
+    # ---- the mode's hooks ----
+
+    def _on_decode_request(self, request: Request) -> None:
+        """A new request that is not a prefill for a remote decode."""
+
+    def _matched(self, request: Request) -> int:
+        """How many prompt tokens a decode request loads from its remote prefill (0: none)."""
+        return 0
+
+    def _after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """A decode request got its blocks."""
+
+    def _decode_finished(self, request: Request) -> None:
+        """A decode request finished (or was aborted)."""
+
+    def _push_key(self, request: Request) -> str:
+        """The push key a held prompt is written under ("" to hand it out for a pull)."""
+        return ""
+
+    def _hand_out(self, rid: str, held: Held) -> dict[str, Any] | None:
+        """What `request_finished` returns for a held prompt the engine finished."""
+        return None
+
+    def _give_up(self, rid: str, held: Held) -> bool:
+        """A held prompt that will not be handed out: whether vLLM must keep its blocks until the worker says."""
+        return False
+
+    def _load_ended(self, rid: str) -> None:
+        """A decode request's transfer ended (loaded or failed)."""
+
+    # ---- vLLM's hooks ----
 
     def on_new_request(self, request: Request) -> None:
-        """Prefill: stop short of the tokens decode must feed itself. Decode: keep the lease alive."""
+        """Prefill: stop short of the tokens decode must feed itself. Decode: the mode's."""
         if wants_identity(request.kv_transfer_params):
             return
         if wants_remote_decode(request.kv_transfer_params):
             self._leave_to_decode(request)
-        if self._push_source(request) is not None:
-            return
-        if not wants_remote_prefill(request.kv_transfer_params):
-            return
-        try:
-            params = from_vllm(request.kv_transfer_params)
-        except KVConnectError:
-            return  # the load refuses them with the reason once the request is scheduled
-        log.debug("kvconnect: %s reads %s", request.request_id, params.request_id)
-        self._keeper.track(params)
-        self._loading[request.request_id] = params.request_id
+        self._on_decode_request(request)
 
     def _leave_to_decode(self, request: Request) -> None:
         backoff, params = self.groups.prefill_backoff, request.kv_transfer_params
@@ -107,75 +111,18 @@ class PDScheduler:
         request.max_tokens = 1
         params["_kvconnect_backoff"] = backoff
 
-    def _push_source(self, request: Request) -> PushSource | None:
-        """Where a push-mode decode request's prefill is (None for a pull, or push params that are unusable)."""
-        rid = request.request_id
-        if rid in self._pushing:
-            return self._pushing[rid]
-        try:
-            source = push_source(request.kv_transfer_params)
-        except KVConnectError as exc:
-            log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s; computing it here", rid, exc)
-            request.kv_transfer_params["do_remote_prefill"] = False
-            return None
-        if source is not None and self.config.mode != "push":
-            log.warning("kvconnect load failed: request=%s peer=- stage=params reason=a push-mode request, and this "
-                        "instance runs mode %r; computing it here", rid, self.config.mode)
-            request.kv_transfer_params["do_remote_prefill"] = False
-            return None
-        if source is not None:
-            self._pushing[rid] = source
-        return source
-
-    def remote_tokens(self, request: Request) -> int:
-        """How many prompt tokens a decode request loads: those prefill computed, when decode can use them."""
-        n_prompt = len(request.prompt_token_ids or ())
-        if request.request_id in self._pushing:  # the prefill computes what pull's would have
-            return max(n_prompt - self.groups.prefill_backoff, 0) if self.groups.prefill_backoff else n_prompt
-        remote = request.kv_transfer_params.get("remote_num_tokens", n_prompt)
-        if not isinstance(remote, int) or isinstance(remote, bool):
-            return 0
-        backoff = self.groups.prefill_backoff
-        if backoff and remote != n_prompt - backoff:
-            return 0  # a whole-sequence state of other tokens than decode has left to feed: recompute
-        return min(remote, n_prompt)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """The tokens prefill computed are an asynchronous external hit for a remotely prefilled request."""
-        params = request.kv_transfer_params
-        if wants_remote_prefill(params) or (params and params.get("do_remote_prefill")
-                                            and self._push_source(request) is not None):
-            count = self.remote_tokens(request) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
+        count = self._matched(request) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Tell the worker to pull into the allocated blocks (or, with nothing to pull, to release the lease)."""
+        """Prefill: track the prompt until it is computed. Decode: the mode's (pull into the blocks, or offer them)."""
         params = request.kv_transfer_params
         if wants_remote_decode(params) and not wants_identity(params):
             self._prefilling[request.request_id] = request
-        elif params and params.get("do_remote_prefill") and request.request_id in self._pushing:
-            params["do_remote_prefill"] = False  # one offer per request
-            source = self._pushing[request.request_id]
-            if num_external_tokens > 0:
-                ntok = self.remote_tokens(request)
-                local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), ntok)
-                self._meta.offers.append(Offer(request_id=request.request_id, block_ids=local, num_tokens=ntok,
-                                               key=source.key, host=source.host, port=source.port))
-            else:
-                self._pushing.pop(request.request_id)
-        elif wants_remote_prefill(params):
-            params["do_remote_prefill"] = False  # one transfer per request
-            if num_external_tokens > 0:
-                local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), self.remote_tokens(request))
-                self._meta.loads.append(Load(request_id=request.request_id, block_ids=local, params=dict(params)))
-            else:
-                # A full local prefix hit: nothing to pull, but the producer must free its blocks.
-                self._meta.releases.append(Release(request_id=request.request_id, params=dict(params)))
-                self._stop_keeping(request.request_id)
-
-    # ---- prefill side ----
+        else:
+            self._after_alloc(request, blocks, num_external_tokens)
 
     def build_meta(self, scheduled: dict[str, int]) -> KVConnectMeta:
         """This step's instructions; holds for every tracked prompt computed to its end in this step."""
@@ -185,44 +132,21 @@ class PDScheduler:
             if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
                 ntok = req.num_prompt_tokens
                 ids = self.groups.select(self._blocks_of(rid), ntok)
-                try:
-                    key = push_key(req.kv_transfer_params) or ""
-                except KVConnectError as exc:
-                    log.warning("kvconnect push failed: request=%s stage=params reason=%s; holding it for a pull",
-                                rid, exc)
-                    key = ""
-                if key and self.config.mode != "push":
-                    log.warning("kvconnect push failed: request=%s stage=params reason=this instance runs mode %r; "
-                                "holding it for a pull", rid, self.config.mode)
-                    key = ""
-                meta.holds.append(Hold(request_id=rid, block_ids=ids, num_tokens=ntok, push_key=key))
-                if key:
-                    self._push_held.add(rid)
+                meta.holds.append(HoldOrder(request_id=rid, block_ids=ids, num_tokens=ntok,
+                                            push_key=self._push_key(req)))
                 self._held[rid] = (ids, ntok, time.time())
                 del self._prefilling[rid]
         return meta
 
     def request_finished(self, request: Request, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill: keep a held request's blocks and hand out its params. Decode: abort a load in flight."""
+        """Prefill: keep a held request's blocks and hand them out. Decode: the mode's (abort what is in flight)."""
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
         self._prefilling.pop(rid, None)
-        params = request.kv_transfer_params
-        if wants_identity(params):
+        if wants_identity(request.kv_transfer_params):
             return False, self._identity()
-        source = self._pushing.pop(rid, None)
-        if source is not None and not params.get("do_remote_prefill") \
-                and request.status == RequestStatus.FINISHED_ABORTED:
-            self._meta.aborts.append(rid)  # an offer was made: vLLM frees the blocks once the push ended
-        if rid in self._loading:
-            if wants_remote_prefill(params):
-                # Finished before it was ever allocated (aborted in the queue): free the producer's blocks.
-                params["do_remote_prefill"] = False
-                self._meta.releases.append(Release(request_id=rid, params=dict(params)))
-            elif request.status == RequestStatus.FINISHED_ABORTED:
-                self._meta.aborts.append(rid)  # vLLM frees the blocks once the worker reports the load ended
-            self._stop_keeping(rid)
+        self._decode_finished(request)
         held = self._held.pop(rid, None)
         if held is None:
             return False, None
@@ -231,45 +155,33 @@ class PDScheduler:
             if self._peer is None:
                 log.error("kvconnect: no handshake metadata from the worker; cannot hand out %s", rid)
             self._meta.aborts.append(rid)
-            if rid in self._push_held:  # a WRITE may be reading them: free once the worker says the push ended
-                self._push_held.discard(rid)
+            if self._give_up(rid, held):
                 self._sending[rid] = sum(len(g) for g in held[0])
                 return True, None
             return False, None
-        ids, ntok, t0 = held
-        self._sending[rid] = sum(len(g) for g in ids)
+        self._sending[rid] = sum(len(g) for g in held[0])
         self._counters["handed_out"] += 1
-        if rid in self._push_held:
-            self._push_held.discard(rid)
-            return True, None  # the worker writes them into the decode's blocks, then frees them
-        p = wire.TransferParams(engine_id=self._peer.engine_id, host=self._peer.host, port=self._peer.port,
-                                request_id=rid, block_ids=ids, num_tokens=ntok,
-                                lease_expiry=t0 + self.config.lease_s, incarnation=self._peer.incarnation,
-                                ranks=self._ranks)
-        return True, to_vllm(p)
+        return True, self._hand_out(rid, held)
 
     def _identity(self) -> dict[str, Any]:
         """Who this instance is, for a router that sends decode instances here in push mode."""
         if self._peer is None:
             return {"kvconnect_identify": False}
         return {"remote_engine_id": self._peer.engine_id, "remote_host": self._peer.host,
-                "remote_port": self._peer.port, "tp_size": max(len(self._ranks), 1), "mode": self.config.mode}
+                "remote_port": self._peer.port, "tp_size": max(len(self._ranks), 1), "mode": self.mode}
 
     def set_handshake(self, metadata: dict[int, KVConnectHandshake]) -> None:
-        """The workers' side channels, one per TP rank, which transfer params point decode instances at."""
+        """The workers' side channels, one per TP rank, which handed-out params point decode instances at."""
         if 0 in metadata:
             self._peer = metadata[0]
             ranks = tuple(wire.RankAddr(host=m.host, port=m.port, incarnation=m.incarnation)
                           for _, m in sorted(metadata.items()))
             self._ranks = ranks if len(ranks) > 1 else ()
 
-    # ---- both ----
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Loads that ended stop being kept alive; released sends are counted; workers' counters summed."""
+        """Transfers that ended are forgotten; released sends are counted; workers' counters summed."""
         for rid in output.finished_recving or ():
-            self._stop_keeping(rid)
-            self._pushing.pop(rid, None)
+            self._load_ended(rid)
         for rid in output.finished_sending or ():
             if self._sending.pop(rid, None) is not None:
                 self._counters["released"] += 1
@@ -280,16 +192,17 @@ class PDScheduler:
         self._stats_file.write(self.stats())
 
     def stats(self) -> dict[str, int]:
-        """Requests handed out and released, blocks still held for consumers, leases being kept alive, and
-        the workers' own counts: leases their producers hold, loads finished and failed."""
+        """Requests handed out and released, blocks still held for consumers, and the workers' own counts:
+        leases their producers hold, loads finished and failed."""
         return {**self._counters, "held_requests": len(self._sending), "held_blocks": sum(self._sending.values()),
-                "kept_alive": self._keeper.tracked, **{k: int(v) for k, v in self._worker.items()}}
+                **{k: int(v) for k, v in self._worker.items()}}
 
     def shutdown(self) -> None:
-        """Stop heartbeating."""
-        self._keeper.close()
+        """Nothing runs here without a mode."""
 
-    def _stop_keeping(self, rid: str) -> None:
-        remote = self._loading.pop(rid, None)
-        if remote is not None:
-            self._keeper.untrack(remote)
+
+def __getattr__(name: str) -> object:
+    if name == "PDScheduler":
+        raise AttributeError("PDScheduler was split by mode: kvconnect.integrations.vllm.pull_scheduler.PullScheduler "
+                             "and kvconnect.integrations.vllm.push_scheduler.PushScheduler, over PDSchedulerBase")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

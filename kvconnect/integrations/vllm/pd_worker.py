@@ -1,9 +1,11 @@
-"""The worker-side half of KVConnectNixl and KVConnectMooncake: does what the scheduler decided.
+"""What the worker-side halves of KVConnectNixl and KVConnectMooncake share, whatever the mode.
 
-Holds blocks right after the forward pass that computed a prompt's end (`wait_for_save`), starts and
-aborts pulls before the next one (`start_load_kv`), and reports what ended: sends whose blocks vLLM
-may free, loads that finished, loads that failed (in `finished_recving` and `failed_recving` both,
-only once nothing can still land in their blocks, so vLLM never reuses a block under a READ).
+Builds the kvconnect core, holds blocks right after the forward pass that computed a prompt's end
+(`wait_for_save`), aborts before the next one (`start_load_kv`), and reports what ended: sends whose
+blocks vLLM may free, loads that finished, loads that failed (in `finished_recving` and
+`failed_recving` both, only once nothing can still land in their blocks, so vLLM never reuses a block
+under a transfer). What a step starts is the mode's: `pull_worker` (reads) and `push_worker` (offers
+and WRITEs); the mode's class is chosen once, when vLLM builds the connector.
 """
 
 from __future__ import annotations
@@ -15,20 +17,20 @@ from typing import Callable, Sequence
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvconnect.connector import ConnectorConfig, KVConnector, KVGroup
-from kvconnect.errors import KVConnectError
+from kvconnect.connector import ConnectorConfig, Finished, KVConnector, KVGroup
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.dump import PageDump
-from kvconnect.integrations.vllm.meta import Hold, KVConnectHandshake, KVConnectMeta, Offer
-from kvconnect.integrations.vllm.params import from_vllm
+from kvconnect.integrations.vllm.meta import HoldOrder, KVConnectHandshake, KVConnectMeta
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
 from kvconnect.shards import PageShards
 
 log = logging.getLogger("kvconnect.vllm")
 
 
-class PDWorker:
+class PDWorkerBase:
     """One engine worker's kvconnect core, driven by the scheduler's per-step instructions."""
+
+    push = False  # whether the core is built with push mode's sides
 
     def __init__(self, config: PDConfig, *, engine_id: str, role: str, backend: str, block_size: int,
                  layout: str, groups: Sequence[KVGroup], rank: int = 0, world_size: int = 1,
@@ -42,19 +44,37 @@ class PDWorker:
             lease_s=config.lease_s, load_timeout_s=config.load_timeout_s,
             handshake_timeout_s=config.handshake_timeout_s, heartbeat_s=config.heartbeat_s, block_size=block_size,
             layout=layout, groups=list(groups) or None, transport_options=dict(config.transport_options),
-            push=config.mode == "push")
+            push=self.push)
         self.core: KVConnector | None = None
+        self.device: torch.device | None = None
         self._dump: PageDump | None = None
-        self._loading: dict[str, tuple[str, list[list[int]]]] = {}  # handle -> producer request, blocks (dump only)
+        self._loading: dict[str, tuple[str, list[list[int]]]] = {}  # handle -> remote name, blocks (dump only)
         self._held: set[str] = set()  # requests this worker holds blocks for
         self._abandoned: set[str] = set()  # held, but vLLM freed the blocks itself: never report as sent
         self._refused: dict[str, str] = {}  # loads refused at start, reported at the next results
-        self._unpushed: list[str] = []
-        self._pushed: set[str] = set()  # held to be written into a decode's blocks: vLLM waits for the end
-        self._layerwise = config.layerwise and config.mode == "push"
-        self._streamed: set[str] = set()  # layer-wise pushes of the forward pass that runs
-        self._stream_meta: KVConnectMeta | None = None  # the step whose pushes began  # pushes refused at start: their blocks are free at the next results
         self._stats = StepStats(with_metrics=True)
+
+    # ---- the mode's hooks ----
+
+    def _start_transfers(self, meta: KVConnectMeta) -> None:
+        """Before the forward pass: start the step's transfers."""
+
+    def _hold(self, hold: HoldOrder) -> None:
+        """The pass computed this prompt: hold its blocks under a lease (pull's hand-over)."""
+        self.core.hold_blocks(hold.request_id, hold.block_ids, hold.num_tokens)
+
+    def _pass_ended(self) -> None:
+        """After the holds of a forward pass."""
+
+    def _abandons(self, rid: str) -> bool:
+        """Whether an abort of a held request means vLLM frees its blocks itself."""
+        return rid in self._held
+
+    def _sent(self, fin: Finished) -> list[str]:
+        """The requests whose blocks the core gave back."""
+        return fin.sending
+
+    # ---- set-up ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register the engine's KV tensors with a new core (transport, side channel, consumer)."""
@@ -64,6 +84,7 @@ class PDWorker:
         core = KVConnector(cfg)
         core.register_kv_caches(kv_caches)
         self.core = core
+        self.device = next(iter(kv_caches.values())).device  # where the engine computes the KV it pushes
         self._dump = PageDump.from_env(kv_caches, cfg.groups or (), cfg.rank if cfg.world_size > 1 else None)
 
     def handshake(self) -> KVConnectHandshake | None:
@@ -74,98 +95,29 @@ class PDWorker:
         return KVConnectHandshake(engine_id=self.core_config.engine_id, host=host, port=port,
                                   incarnation=self.core.metadata.incarnation)
 
+    # ---- per step ----
+
     def start(self, meta: KVConnectMeta) -> None:
-        """Before the forward pass: start this step's pulls, send its releases, then its aborts."""
-        core = self.core
-        for load in meta.loads:
-            log.debug("kvconnect: load %s", load.request_id)
-            params = None
-            try:
-                params = from_vllm(load.params)
-                core.start_load(params, load.block_ids, handle=load.request_id)
-                if self._dump is not None:
-                    self._loading[load.request_id] = (params.request_id, load.block_ids)
-            except KVConnectError as exc:  # bad params or ids: the request fails as the policy says
-                log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s", load.request_id, exc)
-                self._refused[load.request_id] = str(exc)
-                if params is not None:
-                    self._release(params, load.request_id)  # the producer need not wait out its lease
-        for offer in meta.offers:
-            self._offer(offer)
-        for release in meta.releases:
-            try:
-                self._release(from_vllm(release.params), release.request_id)
-            except KVConnectError as exc:
-                log.info("kvconnect: could not release the remote blocks of %s: %s", release.request_id, exc)
+        """Before the forward pass: start this step's transfers, then its aborts."""
+        self._start_transfers(meta)
         for rid in meta.aborts:
             log.debug("kvconnect: abort %s", rid)
-            if rid in self._held and rid not in self._pushed:
+            if self._abandons(rid):
                 self._abandoned.add(rid)
-            core.abort(rid)
-
-    def _offer(self, offer: Offer) -> None:
-        log.debug("kvconnect: offer %s (push %s) to %s:%s", offer.request_id, offer.key, offer.host, offer.port)
-        try:
-            self.core.expect_push(offer.key, (offer.host, offer.port), offer.block_ids, offer.num_tokens,
-                                  handle=offer.request_id)
-            if self._dump is not None:  # named by the push key, as the prefill's dump is
-                self._loading[offer.request_id] = (offer.key, offer.block_ids)
-        except KVConnectError as exc:
-            log.warning("kvconnect load failed: request=%s peer=%s:%s stage=offer reason=%s", offer.request_id,
-                        offer.host, offer.port, exc)
-            self._refused[offer.request_id] = str(exc)
-
-    def _release(self, params, request_id: str) -> None:
-        try:
-            self.core.release_remote(params)
-        except KVConnectError as exc:
-            log.info("kvconnect: could not release the remote blocks of %s: %s", request_id, exc)
+            self.core.abort(rid)
 
     def after_forward(self, meta: KVConnectMeta) -> None:
         """The forward pass that wrote these prompts' KV is done: hold them before vLLM can return them."""
         for hold in meta.holds:
             log.debug("kvconnect: hold %s", hold.request_id)
-            if hold.request_id in self._streamed:
-                pass  # pushed before the pass, layer by layer
-            elif hold.push_key:
-                self._pushed.add(hold.request_id)
-                self._push(hold)
-            else:
-                self.core.request_finished(hold.request_id, hold.block_ids, hold.num_tokens)
+            self._hold(hold)
             self._held.add(hold.request_id)
             if self._dump is not None:
                 self._dump.write("held", hold.push_key or hold.request_id, hold.block_ids)
-        if self._streamed:
-            self._streamed.clear()
-            self.core.forward_done()
+        self._pass_ended()
 
     def layer_saved(self, layer_name: str, meta: KVConnectMeta | None) -> None:
-        """Layer-wise push: the running pass computed this layer's KV; write it for the prompts the pass completes.
-
-        vLLM starts a step's loads after its forward pass, so the pushes of the prompts this pass
-        completes begin at its first computed layer.
-        """
-        if not self._layerwise or meta is None:
-            return
-        if meta is not self._stream_meta:
-            self._stream_meta = meta
-            for hold in meta.holds:
-                if hold.push_key:
-                    self._pushed.add(hold.request_id)
-                    self._held.add(hold.request_id)
-                    self._streamed.add(hold.request_id)
-                    self._push(hold, layerwise=True)
-        if self._streamed:
-            sent = self.core.layers_saved((layer_name,))
-            log.debug("kvconnect: layer %s computed, to %d running WRITE(s)", layer_name, sent)
-            self._stats.add(layers_streamed=sent)
-
-    def _push(self, hold: Hold, layerwise: bool = False) -> None:
-        try:
-            self.core.push(hold.push_key, hold.block_ids, handle=hold.request_id, layerwise=layerwise)
-        except KVConnectError as exc:  # the blocks are reported sent (free) at the next results
-            log.warning("kvconnect push failed: request=%s stage=params reason=%s", hold.request_id, exc)
-            self._unpushed.append(hold.request_id)
+        """The running pass computed this layer's KV (only layer-wise push acts on it)."""
 
     def results(self) -> KVConnectorTransferResults:
         """Sends whose blocks are free again and loads that ended since the last call."""
@@ -173,13 +125,8 @@ class PDWorker:
         if self.core is None:
             return out
         fin = self.core.get_finished()
-        for rid, why in fin.push_failed.items():
-            log.warning("kvconnect push failed: request=%s stage=write reason=%s", rid, why)
-        fin.sending += self._unpushed
-        self._unpushed = []
-        for rid in fin.sending:
+        for rid in self._sent(fin):
             self._held.discard(rid)
-            self._pushed.discard(rid)
             if rid in self._abandoned:
                 self._abandoned.discard(rid)
             else:
@@ -206,3 +153,10 @@ class PDWorker:
         core, self.core = self.core, None
         if core is not None:
             core.close()
+
+
+def __getattr__(name: str) -> object:
+    if name == "PDWorker":
+        raise AttributeError("PDWorker was split by mode: kvconnect.integrations.vllm.pull_worker.PullWorker and "
+                             "kvconnect.integrations.vllm.push_worker.PushWorker, over PDWorkerBase")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
