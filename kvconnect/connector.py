@@ -2,14 +2,13 @@
 
 `KVConnector` is engine-agnostic; engine adapters translate their hooks onto it. The backend (how
 bytes move) is a setting: `NixlConnector` is `KVConnector` with `backend="nixl"`. `ConnectorConfig`
-checks every field when it is built, so a wrong setting fails where it is written.
+(`kvconnect.config`) checks every field when it is built, so a wrong setting fails where it is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -17,100 +16,21 @@ import torch
 
 from kvconnect import wire
 from kvconnect.compat import layers_digest
+from kvconnect.config import ConnectorConfig
 from kvconnect.errors import KVConnectError
-from kvconnect.layout import KVCacheLayout
+from kvconnect.kvgroups import KVGroup, resolve_groups
 from kvconnect.pd.consumer import Consumer
 from kvconnect.pd.failure import LoadFailure
-from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.fence import Fence
+from kvconnect.pd.keeper import LeaseKeeper
 from kvconnect.pd.producer import Producer
 from kvconnect.pd.push_role import PushRole
 from kvconnect.pd.pusher import Pusher
-from kvconnect.kvgroups import KVGroup, resolve_groups
 from kvconnect.regions import RegionSet
-from kvconnect.shards import PageShards, Segment, check_page, global_bytes
-from kvconnect.sidechannel.addresses import check_bind, is_wildcard
+from kvconnect.shards import check_page, global_bytes
+from kvconnect.sidechannel.addresses import is_wildcard
 from kvconnect.threads import unpinned
-from kvconnect.transport import BACKENDS, Transport, check_transport_options, make_transport
-
-ROLES = ("producer", "consumer", "both")
-_SECONDS = ("lease_s", "load_timeout_s", "handshake_timeout_s", "heartbeat_s")
-
-
-@dataclass
-class ConnectorConfig:
-    """Every knob of a connector; engine adapters fill it from their own configuration."""
-
-    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    role: str = "both"
-    backend: str = "nixl"
-    # Side channel (handshake and control). Loopback unless the operator says otherwise.
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str | None = None
-    allow_wildcard: bool = False
-    # None: $KVCONNECT_SECRET (read by the side channel), or no authentication.
-    secret: str | None = None
-    lease_s: float = 30.0
-    load_timeout_s: float = 60.0
-    handshake_timeout_s: float = 5.0
-    heartbeat_s: float = 5.0
-    block_size: int = 16
-    layout: str = "LBHNC"
-    # Tensor parallelism: this worker's rank and the engine's TP size (each rank is one connector).
-    rank: int = 0
-    world_size: int = 1
-    # Per layer name, how its pages split across TP ranks (kvconnect.shards); needed to pair with a
-    # peer of another TP size, never between equal sizes.
-    shards: Mapping[str, PageShards] | None = None
-    # KV-cache groups by layer name (hybrid models); None means one group of every registered layer.
-    groups: Sequence[KVGroup] | None = None
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    # Push mode: decode offers its blocks and prefill writes them (both sides built whatever the role).
-    push: bool = False
-    group_regions: None = None  # replaced by `groups`; kept only to say so
-
-    def __post_init__(self) -> None:
-        if self.group_regions is not None:
-            raise KVConnectError("ConnectorConfig(group_regions=...) was replaced by groups=[KVGroup(layers=(...)), ...]"
-                                 " naming each group's layers")
-        if not isinstance(self.engine_id, str) or not 1 <= len(self.engine_id) <= 256:
-            raise KVConnectError(f"engine_id must be a string of 1 to 256 characters, got {self.engine_id!r}")
-        if self.role not in ROLES:
-            raise KVConnectError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.backend not in BACKENDS:
-            raise KVConnectError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        try:
-            check_bind(self.host, allow_wildcard=self.allow_wildcard)
-        except ValueError as exc:
-            raise KVConnectError(str(exc)) from None
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
-            raise KVConnectError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        if self.advertise_host is not None and (not isinstance(self.advertise_host, str) or not self.advertise_host
-                                                or is_wildcard(self.advertise_host)):
-            raise KVConnectError(f"advertise_host must be an address peers can reach, got {self.advertise_host!r}")
-        if self.secret is not None and (not isinstance(self.secret, (str, bytes)) or not self.secret):
-            raise KVConnectError("secret must be a non-empty string (or None for $KVCONNECT_SECRET)")
-        for name in _SECONDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise KVConnectError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise KVConnectError(f"block_size must be a positive int, got {self.block_size!r}")
-        if self.layout not in KVCacheLayout.__members__:
-            raise KVConnectError(f"layout must be one of {', '.join(KVCacheLayout.__members__)}, got {self.layout!r}")
-        if not (isinstance(self.rank, int) and isinstance(self.world_size, int) and 0 <= self.rank < self.world_size):
-            raise KVConnectError(f"rank must be in [0, world_size), got rank {self.rank!r}, world_size "
-                                 f"{self.world_size!r}")
-        if self.shards is not None and not all(isinstance(v, tuple) and v and all(isinstance(x, Segment) for x in v)
-                                               for v in self.shards.values()):
-            raise KVConnectError("shards must map layer names to non-empty tuples of kvconnect.shards.Segment")
-        if not isinstance(self.push, bool):
-            raise KVConnectError(f"push must be True or False, got {self.push!r}")
-        if self.groups is not None and (not self.groups or not all(isinstance(g, KVGroup) for g in self.groups)):
-            raise KVConnectError("groups must be a non-empty list of KVGroup")
-        check_transport_options(self.backend, self.transport_options)
-
+from kvconnect.transport import Transport, make_transport
 
 @dataclass
 class Finished:

@@ -25,7 +25,7 @@ LAYERS = [
     {"sidechannel"},
     {"transport"},
     {"pd", "offload"},
-    {"connector"},
+    {"config", "connector"},
     {"faults", "presets", "cliargs"},
     {"workload", "bench", "demo", "doctor", "proxy"},
     {"cli", "integrations"},

@@ -42,6 +42,7 @@ from kvconnect.regions import MemoryKind, RegionSet
 from kvconnect.shards import PageSlices
 from kvconnect.threads import spawn
 from kvconnect.transport.base import TransferState, Transport
+from kvconnect.transport.nixl_agents import RemoteAgents
 from kvconnect.transport.nixl_errors import nixl_errors, quietly
 from kvconnect.transport.options import DEFAULT_PREPARED_ROWS, NixlOptions
 from kvconnect.transport.ucx import skip_ucx_ib_without_devices
@@ -147,7 +148,7 @@ class NixlTransport(Transport):
         self._dlist: object = None
         self._offsets = np.zeros(0, dtype=np.int64)
         self._peers: dict[str, _Peer] = {}
-        self._agents: dict[str, int] = {}  # remote agent -> peer ids using it (NIXL holds one entry per agent)
+        self._agents = RemoteAgents(self._agent, self.agent_name)
         self._retiring: list[_Peer] = []  # removed peers whose transfers NIXL has not finished yet
         self._pump: threading.Thread | None = None
         if progress_interval_s > 0 and not progress_thread:
@@ -200,42 +201,16 @@ class NixlTransport(Transport):
             pairing = self._new_pairing(peer_id, regions, slices)
             theirs = pairing.remote
             kind = _memory_kind(theirs, f"peer {peer_id}")
-            peer = _Peer(self._load_agent(peer_id, metadata), pairing, kind)
+            peer = _Peer(self._agents.load(peer_id, metadata), pairing, kind)
             try:
                 if pairing.slices is None and sum(r.num_blocks for r in theirs) <= self.prepared_rows:
                     rows, peer.offsets = block_table(theirs)
                     with nixl_errors(f"could not prepare peer {peer_id}'s blocks"):
                         peer.dlist = self._agent.prep_xfer_dlist(peer.agent, rows, kind.value)
             except TransferError:
-                self._unload_agent(peer.agent)
+                self._agents.unload(peer.agent)
                 raise
             self._peers[peer_id] = peer
-
-    def _load_agent(self, peer_id: str, metadata: bytes) -> str:
-        """The NIXL agent of a peer's metadata, counted once more.
-
-        NIXL keeps one entry per agent name and loads the same metadata again without complaint (a
-        different blob under a known name is refused), so two peer ids that present one agent (a
-        listener replaying a producer's metadata, say) share the entry: neither can remove it from
-        under the other.
-        """
-        if bytes(metadata) == bytes(self._agent.get_agent_metadata()):
-            agent = self.agent_name  # loopback: NIXL addresses its own memory by its own name
-        else:
-            with nixl_errors(f"refused the metadata of peer {peer_id}"):
-                loaded = self._agent.add_remote_agent(metadata)
-            agent = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        self._agents[agent] = self._agents.get(agent, 0) + 1
-        return agent
-
-    def _unload_agent(self, agent: str) -> None:
-        left = self._agents.get(agent, 1) - 1
-        if left > 0:
-            self._agents[agent] = left
-            return
-        self._agents.pop(agent, None)
-        if agent != self.agent_name:
-            quietly(f"removing agent {agent}", self._agent.remove_remote_agent, agent)
 
     def remove_peer(self, peer_id: str) -> None:
         """Forget a peer: its transfers are cancelled; its agent goes once NIXL has finished them."""
@@ -385,7 +360,7 @@ class NixlTransport(Transport):
                 continue
             if peer.dlist is not None:
                 quietly("releasing a peer's prepared list", self._agent.release_dlist_handle, peer.dlist)
-            self._unload_agent(peer.agent)
+            self._agents.unload(peer.agent)
         self._retiring = still
         return bool(still)
 
