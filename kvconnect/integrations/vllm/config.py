@@ -62,6 +62,8 @@ class StoreTierConfig(msgspec.Struct, tag="store", tag_field="kind", **_Struct):
     local_host: str = "127.0.0.1"
     device: str = ""
     retry_s: _Seconds = 10.0
+    # A get that the store has not answered by then is abandoned and its pages are misses (a stalled store).
+    get_timeout_s: _Seconds = 5.0
 
 
 TierConfig = DiskTierConfig | StoreTierConfig

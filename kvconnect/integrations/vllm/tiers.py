@@ -41,7 +41,7 @@ def make_tiers(configs: Sequence[TierConfig], namespace: bytes) -> list[Tier]:
 
 def _store(cfg: StoreTierConfig, namespace: bytes) -> StoreTier:
     return StoreTier(cfg.master, protocol=cfg.protocol, local_host=cfg.local_host, device=cfg.device,
-                     namespace=namespace, retry_s=cfg.retry_s)
+                     namespace=namespace, retry_s=cfg.retry_s, get_timeout_s=cfg.get_timeout_s)
 
 
 class LowerIndex:

@@ -1,10 +1,13 @@
 """The disk tier's batch file: one file per stored batch of pages, and how it is written and read.
 
 A batch file is a header, a table of keys and checksums, then the pages region by region (every
-page's row of region 0, then of region 1, ...), so a run of slots moves with one call per region
-straight between the pool and the file, never through a staging copy. It is written to `*.tmp` and
-renamed when complete, so a crash leaves either a whole file or a leftover `.tmp`; no fsync, because
-what the OS had not written when the power went fails its checksum and reads as a miss.
+page's row of region 0, then of region 1, ...). The header carries a checksum of itself and one of
+the table, and each page's checksum is in the table: a flipped bit anywhere reads as a corrupt file
+or a corrupt page, never as a wrong page or a size to allocate. Pages are laid out so that a run of
+slots moves with one call per region straight between the pool and the file, never through a
+staging copy. A file is written to `*.tmp` and renamed when complete, so a crash leaves either a
+whole file or a leftover `.tmp`; no fsync, because what the OS had not written when the power went
+fails its checksum and reads as a miss.
 """
 
 from __future__ import annotations
@@ -16,16 +19,24 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import xxhash
 
+from kvconnect.errors import KVConnectError
 from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.fileio import read_all, write_all
 
-MAGIC = b"KVCTIER1"
-# magic, namespace (16 bytes), page bytes, pages, key bytes
-HEADER = struct.Struct("<8s16sQQQ")
+# Version 2 covers the header and the key table by checksums; a version-1 file reads as foreign.
+MAGIC = b"KVCTIER2"
+# magic, namespace (16 bytes), page bytes, pages, key bytes, table checksum, header checksum
+HEADER = struct.Struct("<8s16sQQQQQ")
 ALIGN = 4096
 SUFFIX = ".kvt"
+MAX_KEY_BYTES = 1024
+
+
+class CorruptBatchFile(KVConnectError):
+    """A batch file of this tier whose header or table cannot be trusted (cut short, flipped, malformed)."""
 
 
 def aligned(n: int) -> int:
@@ -56,21 +67,40 @@ class Table:
     size: int
 
 
-TRUNCATED = Table([], np.empty(0, dtype=np.uint64), 0, 0)
+def _digest(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def read_table(path: Path, ns: bytes, page_bytes: int) -> Table | None:
-    """The file's keys and checksums; None for another namespace or page size, TRUNCATED if cut short."""
+    """The file's keys and checksums; None for a file of another version, namespace or page size.
+
+    Raises CorruptBatchFile for a file of ours that cannot be trusted. Every field is checked against
+    its checksum and bounded by the file's size before anything is allocated from it.
+    """
     with open(path, "rb") as f:
-        magic, file_ns, size, count, key_bytes = HEADER.unpack(f.read(HEADER.size))
-        if magic != MAGIC or file_ns != ns or size != page_bytes:
-            return None
-        raw = f.read(count * (key_bytes + 8))
         file_size = os.fstat(f.fileno()).st_size
-    data_offset = aligned(HEADER.size + count * (key_bytes + 8))
-    if len(raw) != count * (key_bytes + 8) or file_size < data_offset + count * page_bytes:
-        return TRUNCATED
-    rows = np.frombuffer(raw, dtype=np.uint8).reshape(count, key_bytes + 8)
+        raw = f.read(HEADER.size)
+        if len(raw) < HEADER.size:
+            if raw[:len(MAGIC)] == MAGIC[:len(raw)]:
+                raise CorruptBatchFile(f"{file_size} bytes, shorter than its header")
+            return None
+        magic, file_ns, size, count, key_bytes, table_sum, head_sum = HEADER.unpack(raw)
+        if magic != MAGIC:
+            return None
+        if _digest(raw[:-8]) != head_sum:
+            raise CorruptBatchFile("header fails its checksum")
+        if file_ns != ns or size != page_bytes:
+            return None
+        if count < 1 or not 1 <= key_bytes <= MAX_KEY_BYTES:
+            raise CorruptBatchFile(f"header says {count} pages of {key_bytes}-byte keys")
+        table_bytes = count * (key_bytes + 8)
+        data_offset = aligned(HEADER.size + table_bytes)
+        if file_size != data_offset + count * page_bytes:
+            raise CorruptBatchFile(f"{file_size} bytes where its header says {data_offset + count * page_bytes}")
+        table = f.read(table_bytes)
+    if len(table) != table_bytes or _digest(table) != table_sum:
+        raise CorruptBatchFile("key table fails its checksum")
+    rows = np.frombuffer(table, dtype=np.uint8).reshape(count, key_bytes + 8)
     return Table([rows[i, :key_bytes].tobytes() for i in range(count)],
                  rows[:, key_bytes:].copy().view("<u8").ravel(), data_offset, file_size)
 
@@ -81,7 +111,9 @@ def encode_head(ns: bytes, page_bytes: int, keys: Sequence[bytes], sums: np.ndar
     table = np.empty((len(keys), key_bytes + 8), dtype=np.uint8)
     table[:, :key_bytes] = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, key_bytes)
     table[:, key_bytes:] = sums.astype("<u8").view(np.uint8).reshape(-1, 8)
-    head = HEADER.pack(MAGIC, ns, page_bytes, len(keys), key_bytes) + table.tobytes()
+    body = table.tobytes()
+    fields = HEADER.pack(MAGIC, ns, page_bytes, len(keys), key_bytes, _digest(body), 0)[:-8]
+    head = fields + struct.pack("<Q", _digest(fields)) + body
     return head, aligned(len(head))
 
 

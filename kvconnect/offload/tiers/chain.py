@@ -7,7 +7,9 @@ disk or a network on the store path. The queue of pages waiting to go down is bo
 by default); beyond it write-behind is skipped and counted, so pins never fill the pool.
 
 Fetches (promotions) run on the offload connector's job worker, inside the load job that needs them:
-each tier in turn is asked for what the ones above it did not return.
+each tier in turn is asked for what the ones above it did not return. A tier that raises on a fetch
+or a lookup answers "none" for that call: it never fails the load by itself nor hands back a page
+it did not verify.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TierChain:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self.skipped = 0  # pages not written down because the queue was full
+        self.fetch_errors = 0  # tier gets that raised (their pages counted as missed)
         self._closed = False
         self._thread = spawn(self._loop, name="kvconnect-tiers")
 
@@ -92,29 +95,50 @@ class TierChain:
         return True
 
     def contains(self, keys: Sequence[bytes]) -> np.ndarray:
-        """True per key some tier holds (a fetch still verifies)."""
+        """True per key some tier holds (a fetch still verifies); a tier that raises holds none."""
         found = np.zeros(len(keys), dtype=bool)
         for tier in self.tiers:
             todo = np.flatnonzero(~found)
             if todo.size == 0:
                 break
-            found[todo] = tier.contains([keys[i] for i in todo])
+            try:
+                found[todo] = tier.contains([keys[i] for i in todo])
+            except Exception as exc:  # noqa: BLE001 - a tier's fault is a miss, never the engine's
+                log.warning("offload tier %s: lookup of %d pages failed (%s); counted as absent",
+                            tier.name, todo.size, exc)
         return found
 
     def fetch(self, keys: Sequence[bytes], slots: np.ndarray) -> np.ndarray:
-        """Read `keys` into pool `slots` from the first tier that has each verified; True per page read."""
+        """Read `keys` into pool `slots` from the first tier that has each verified; True per page read.
+
+        A tier that raises returns nothing: its pages count as missed (logged with the tier's name
+        and error) and the next tier is asked for them, so the result names exactly the pages that
+        some tier read and verified. Slots of pages that are False hold undefined bytes.
+        """
         slots = np.asarray(slots, dtype=np.int64)
         ok = np.zeros(len(keys), dtype=bool)
         for tier in self.tiers:
             todo = np.flatnonzero(~ok)
             if todo.size == 0:
                 break
-            ok[todo] = tier.get([keys[i] for i in todo], slots[todo])
+            try:
+                got = np.asarray(tier.get([keys[i] for i in todo], slots[todo]), dtype=bool)
+                if got.shape != todo.shape:
+                    raise KVConnectError(f"answered {got.shape} for {todo.size} pages")
+            except Exception as exc:  # noqa: BLE001 - a tier's fault is a miss, never wrong bytes
+                with self._lock:
+                    self.fetch_errors += 1
+                tier._count("missed", int(todo.size))
+                log.warning("offload tier %s: get of %d pages failed (%s); counted as missed",
+                            tier.name, todo.size, exc, exc_info=exc)
+                continue
+            ok[todo] = got
         return ok
 
     def stats(self) -> dict[str, int]:
         """Every tier's counters, prefixed with its name, and the write-behind queue's."""
-        out: dict[str, int] = {"tier_write_behind_skipped": self.skipped, "tier_write_behind_pending": self._pending}
+        out: dict[str, int] = {"tier_write_behind_skipped": self.skipped, "tier_write_behind_pending": self._pending,
+                               "tier_fetch_errors": self.fetch_errors}
         for tier in self.tiers:
             out.update(tier.stats().as_dict(f"tier_{tier.name}"))
         return out

@@ -2,8 +2,9 @@
 
 Each put writes one batch file (`batchfile` holds its format); a crash leaves either a whole file or
 a leftover `.tmp` that the next start deletes. At start the tier reads every file's header and table
-and finds its pages again (a restarted engine keeps its prefixes). Files of another layout or
-namespace (another model, salt or block size) are left alone.
+and finds its pages again (a restarted engine keeps its prefixes). Files of another format version,
+layout or namespace (another model, salt or block size) are left alone; a file of ours that is cut
+short or fails its header or table checksum is deleted (logged), and no file stops the start.
 
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:
@@ -13,10 +14,10 @@ block the engine reads.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import numpy as np
 from kvconnect.errors import KVConnectError
 from kvconnect.offload.tiers.base import PoolView, Tier
 from kvconnect.offload.tiers.batchfile import (
-    SUFFIX, TRUNCATED, encode_head, file_name, file_number, read_run, read_table, write_batch,
+    SUFFIX, CorruptBatchFile, encode_head, file_name, file_number, read_run, read_table, write_batch,
 )
 from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 
@@ -79,9 +80,7 @@ class DiskTier(Tier):
         self._gone: list[bytes] = []
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".probe-{os.getpid()}"
-            probe.write_bytes(b"kvconnect")
-            probe.unlink()
+            self._probe()
             self._lock_fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise KVConnectError(f"disk tier directory {self.path} is not writable: {exc.strerror or exc}") from exc
@@ -92,6 +91,23 @@ class DiskTier(Tier):
             os.close(self._lock_fd)
             raise KVConnectError(f"disk tier directory {self.path} is in use by another disk tier "
                                  "(give each engine instance its own directory)") from None
+
+    def _probe(self) -> None:
+        """Write and remove a small file: a directory that cannot be written fails the engine at start.
+
+        A full disk is not such a directory: the tier starts, serves what it holds and drops stores
+        until there is room again (an engine restarted on a full cache disk must not stay down).
+        """
+        probe = self.path / f".probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"kvconnect")
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning("disk tier %s: the disk is full (%s); starting anyway: stores are dropped until there "
+                        "is room", self.path, exc.strerror or exc)
+        finally:
+            probe.unlink(missing_ok=True)
 
     # ---- setup and restart ----
 
@@ -119,9 +135,9 @@ class DiskTier(Tier):
         for file in sorted(Path(path).glob(f"*{SUFFIX}"), key=file_number):
             try:
                 table = read_table(file, ns, page_bytes)
-            except (OSError, struct.error):
-                continue
-            if table is not None and table is not TRUNCATED:
+            except (OSError, CorruptBatchFile):
+                continue  # the worker's tier deletes a corrupt file when it starts
+            if table is not None:
                 keys.update(table.keys)
         return keys
 
@@ -143,15 +159,15 @@ class DiskTier(Tier):
             return
         try:
             table = read_table(path, self._ns, self._pool.page_bytes)
-        except (OSError, struct.error):
-            log.warning("disk tier: skipping unreadable batch file %s", path)
-            return
-        if table is None:
-            return  # another layout or model: not ours to read or delete
-        if table is TRUNCATED:
-            log.warning("disk tier: deleting truncated batch file %s", path)
+        except CorruptBatchFile as exc:
+            log.warning("disk tier: deleting corrupt batch file %s (%s); its pages are misses", path, exc)
             path.unlink(missing_ok=True)
             return
+        except Exception as exc:  # noqa: BLE001 - no file may stop the engine from starting
+            log.warning("disk tier: skipping unreadable batch file %s (%s)", path, exc)
+            return
+        if table is None:
+            return  # another version, layout or model: not ours to read or delete
         for i, key in enumerate(table.keys):
             self._index[key] = (number, i, int(table.sums[i]))
         self._files[number] = _File(path, table.size, table.data_offset, 0, table.keys)

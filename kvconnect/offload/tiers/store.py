@@ -2,15 +2,17 @@
 
 One `MooncakeDistributedStore` client per instance, contributing no memory of its own (segment 0):
 the store's memory is given by storage nodes (`mooncake_client`, or instances started with a
-segment). The host pool's arrays and a small array of trailers are registered with the client, so a
-put reads and a get writes the pool's slots in place: an object is a page's rows, region by region,
-then a 16-byte trailer (magic and the page's checksum over its key and bytes). A get checks the
-length and the checksum before the slot counts as loaded; the slot is not published otherwise.
+segment). An object is a page's rows, region by region, then a 16-byte trailer (magic and the
+page's checksum over its key and bytes). A put reads the pool's slots in place (they and an array
+of trailers are registered with the client). A get is bounded by `get_timeout_s` and lands in a
+registered staging area first (`store_staging`); an object that fails its checks is removed from
+the store and denied here until that succeeds (`store_denylist`), so no instance counts it again.
 
 The master's health decides what happens, never the engine's step: down at start, the tier warns
-once and stays off while a background thread tries again every `retry_s`; killed mid-run, gets fail at once
-and puts within the client's own timeout (about 4 s here), each a counted miss or dropped store; back
-again, the client reconnects by itself.
+once and stays off while a background thread tries again every `retry_s`; killed mid-run, gets and
+puts fail within the client's own timeout (about 4 s here), each a counted miss or dropped store;
+stalled (or a storage node stalled), Mooncake waits 30 s, so a get is abandoned at `get_timeout_s`
+with its pages missed, and lookups answer none for `retry_s`; back again, the client reconnects.
 """
 
 from __future__ import annotations
@@ -25,17 +27,24 @@ import numpy as np
 
 from kvconnect.errors import KVConnectError
 from kvconnect.offload.tiers.base import PoolView, Tier
+from kvconnect.offload.tiers.calls import InFlight
 from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
+from kvconnect.offload.tiers.store_denylist import FORGET_WAIT_S, MAX_DENIED, DenyList
+from kvconnect.offload.tiers.store_staging import (GET_STAGING_BYTES, NOT_FOUND, TOO_LARGE, TRAILER_BYTES,
+                                                   TRAILER_MAGIC, StagingArea)
 from kvconnect.threads import spawn, unpinned
 
 log = logging.getLogger("kvconnect.offload.store")
 
-TRAILER_MAGIC = int(np.frombuffer(b"KVCSTOR1", dtype="<u8")[0])
-TRAILER_BYTES = 16
 # One call moves at most this much: Mooncake's batch calls hold every buffer of the batch at once.
 MAX_BATCH_KEYS = 128
 MAX_BATCH_BYTES = 64 << 20
 SLOW_LOOKUP_S = 0.5
+CLOSE_WAIT_S = 5.0
+_LEFT_OPEN: list = []  # clients closed while a call was in flight: never freed under it
+# Names kept importable from here: the object format, Mooncake's codes, the staging and deny-list bounds.
+__all__ = ["FORGET_WAIT_S", "GET_STAGING_BYTES", "MAX_BATCH_BYTES", "MAX_BATCH_KEYS", "MAX_DENIED", "NOT_FOUND",
+           "TOO_LARGE", "TRAILER_BYTES", "TRAILER_MAGIC", "StoreTier"]
 
 
 class StoreTier(Tier):
@@ -45,8 +54,10 @@ class StoreTier(Tier):
 
     def __init__(self, master: str, *, protocol: str = "tcp", local_host: str = "127.0.0.1",
                  metadata_server: str = "P2PHANDSHAKE", device: str = "", namespace: bytes = b"",
-                 retry_s: float = 10.0, local_buffer_bytes: int = 16 << 20):
+                 retry_s: float = 10.0, local_buffer_bytes: int = 16 << 20, get_timeout_s: float = 5.0):
         super().__init__()
+        if not get_timeout_s > 0:
+            raise KVConnectError(f"store tier get_timeout_s must be positive, got {get_timeout_s!r}")
         if not isinstance(master, str) or ":" not in master:
             raise KVConnectError(f"store tier master must be 'host:port', got {master!r}")
         if protocol not in ("tcp", "rdma"):
@@ -59,8 +70,10 @@ class StoreTier(Tier):
         self.namespace = namespace
         self.retry_s = retry_s
         self.local_buffer_bytes = local_buffer_bytes
+        self.get_timeout_s = get_timeout_s
         self._pool: PoolView | None = None
         self._trailers: np.ndarray | None = None
+        self._staging: StagingArea | None = None
         self._client = None
         self._prefix = ""
         self._up = threading.Event()
@@ -68,8 +81,9 @@ class StoreTier(Tier):
         self._warned_down = False
         self._lookups_off_until = 0.0
         self._lookup_busy = False
-        self._warned: set[bytes] = set()
         self._lock = threading.Lock()
+        self._calls = InFlight()  # Mooncake calls on threads of their own (lookups, bounded gets, removals)
+        self._corrupt = DenyList(self._calls, self._connected)
 
     # ---- connection ----
 
@@ -77,6 +91,7 @@ class StoreTier(Tier):
         """Bind to the pool and connect; a master that is down leaves the tier off, retried in the background."""
         self._pool = pool
         self._trailers = np.zeros((pool.num_slots, 2), dtype="<u8")  # magic, checksum: 16 bytes a slot
+        self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned)
         self._connect(pool.page_bytes)
 
     def open_for_lookups(self, page_bytes: int) -> None:
@@ -124,7 +139,7 @@ class StoreTier(Tier):
             code = unpinned(lambda: client.setup(self.local_host, self.metadata_server, 0, self.local_buffer_bytes,
                                                  self.protocol, self.device, self.master))
             if code == 0:
-                for arr in () if self._pool is None else (*self._pool.rows, self._trailers):
+                for arr in () if self._pool is None else (*self._pool.rows, self._trailers, self._staging.rows):
                     if client.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                         client.close()
                         raise KVConnectError(f"store tier: registering {arr.nbytes} bytes of host pool failed")
@@ -164,13 +179,12 @@ class StoreTier(Tier):
 
     # ---- moves ----
 
-    def _batched(self, put: bool, names: list[str], slots: np.ndarray) -> np.ndarray:
-        """One multi-buffer batch call per batch: put's status or get's byte count, per object."""
-        call = self._client.batch_put_from_multi_buffers if put else self._client.batch_get_into_multi_buffers
+    def _put_batched(self, names: list[str], slots: np.ndarray) -> np.ndarray:
+        """One multi-buffer batch put per batch, straight from the pool's slots: status per object."""
         out = np.zeros(len(names), dtype=np.int64)
         for part in self._batches(len(names)):
             ptrs, sizes = self._buffers(slots[part])
-            out[part] = call(names[part], ptrs, sizes)
+            out[part] = self._client.batch_put_from_multi_buffers(names[part], ptrs, sizes)
         return out
 
     def put(self, keys: Sequence[bytes], slots: np.ndarray) -> np.ndarray:
@@ -182,7 +196,7 @@ class StoreTier(Tier):
         names = self._names(keys)
         self._trailers[slots, 0] = TRAILER_MAGIC
         self._trailers[slots, 1] = slot_checksums([n.encode() for n in names], self._pool, slots)
-        ok = self._batched(True, names, slots) == 0
+        ok = self._put_batched(names, slots) == 0
         stored = int(ok.sum())
         self._count("stored", stored, stored * self._pool.page_bytes)
         if stored < len(keys):
@@ -191,37 +205,41 @@ class StoreTier(Tier):
         return ok
 
     def get(self, keys: Sequence[bytes], slots: np.ndarray) -> np.ndarray:
-        """Read objects into `slots`; a missing object, a short one or a failed checksum is False."""
+        """Read objects into `slots` within `get_timeout_s`; a missing, short, long or corrupt object is False."""
         ok = np.zeros(len(keys), dtype=bool)
-        if self._connected() is None or not keys:
+        client = self._connected()
+        if client is None or not keys or self._staging.stuck:
             self._count("missed", len(keys))
             return ok
         slots = np.asarray(slots, dtype=np.int64)
         names = self._names(keys)
-        got = self._batched(False, names, slots)
-        whole = got == self._pool.page_bytes + TRAILER_BYTES
-        absent = got < 0
-        self._count("missed", int(absent.sum()))
-        if whole.any():
-            idx = np.flatnonzero(whole)
-            trailer = self._trailers[slots[idx]]
-            sums = slot_checksums([names[i].encode() for i in idx], self._pool, slots[idx])
-            ok[idx] = (trailer[:, 0] == TRAILER_MAGIC) & (trailer[:, 1] == sums)
-        loaded = int(ok.sum())
-        self._count("loaded", loaded, loaded * self._pool.page_bytes)
-        bad = np.flatnonzero(~ok & ~absent)
+        denied = self._corrupt.denied(names)
+        if denied.any():  # known corrupt: not read again, and its removal tried again
+            self._corrupt.forget([names[i] for i in np.flatnonzero(denied)])
+        deadline = time.monotonic() + self.get_timeout_s
+        todo = np.flatnonzero(~denied)
+        got = np.full(len(keys), NOT_FOUND, dtype=np.int64)
+        per = self._staging.capacity
+        for start in range(0, todo.size, per):
+            part = todo[start:start + per]
+            landed = self._staging.get(client, [names[i] for i in part], slots[part], deadline)
+            if landed is None:
+                break  # abandoned or failed: this part and the rest are misses
+            got[part], ok[part] = landed
+        bad = np.flatnonzero(~ok & ((got >= 0) | (got == TOO_LARGE)))
+        self._count("missed", len(keys) - int(ok.sum()) - bad.size)
+        self._count("loaded", int(ok.sum()), int(ok.sum()) * self._pool.page_bytes)
         if bad.size:
-            self._reject([keys[i] for i in bad], got[bad])
+            self._count("rejected", bad.size)
+            self._corrupt.warn([names[i] for i in bad], got[bad], self._pool.page_bytes + TRAILER_BYTES)
+            self._corrupt.forget([names[i] for i in bad])
         return ok
 
-    def _reject(self, keys: list[bytes], sizes: np.ndarray) -> None:
-        self._count("rejected", len(keys))
-        for key, size in zip(keys, sizes.tolist()):
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning("store tier: object %s%s is %s; read as a miss", self._prefix, key.hex(),
-                            "corrupt (checksum)" if size == self._pool.page_bytes + TRAILER_BYTES
-                            else f"{size} bytes, not {self._pool.page_bytes + TRAILER_BYTES}")
+    def _abandoned(self, n: int) -> None:
+        """A get of `n` objects outlived `get_timeout_s`: the store is stalled, so lookups rest too."""
+        self._lookups_off_until = time.monotonic() + self.retry_s
+        log.warning("store tier: a get of %d objects at master %s took over %.1f s; they are misses, and "
+                    "lookups answer none for %.0f s", n, self.master, self.get_timeout_s, self.retry_s)
 
     def contains(self, keys: Sequence[bytes]) -> np.ndarray:
         """True per object the master lists (an unreachable or stalled master lists none).
@@ -250,19 +268,29 @@ class StoreTier(Tier):
                     self._lookup_busy = False
                 done.set()
 
-        spawn(ask, name="kvconnect-store-lookup")
+        self._calls.start(ask, "kvconnect-store-lookup")
         got = np.asarray(box["got"]) if done.wait(SLOW_LOOKUP_S) and "got" in box else None
         if got is None or (got < 0).any():
             self._lookups_off_until = time.monotonic() + self.retry_s
             log.warning("store tier: a lookup at master %s failed or took over %.1f s; answering none for %.0f s",
                         self.master, SLOW_LOOKUP_S, self.retry_s)
             return np.zeros(len(keys), dtype=bool)
-        return got == 1
+        return (got == 1) & ~self._corrupt.denied(names)
 
     def close(self) -> None:
-        """Close the client (the objects stay in the store for other instances)."""
+        """Close the client (the objects stay in the store for other instances).
+
+        Closing a Mooncake client under a call in flight crashes the process, so a call abandoned at
+        its deadline is waited for up to CLOSE_WAIT_S; one still running then leaves the client open
+        (its buffers stay referenced by the call), logged.
+        """
         with self._lock:
             client, self._client = self._client, None
             self._closed.set()
+        busy = self._calls.wait_idle(CLOSE_WAIT_S)
         if client is not None:
-            client.close()
+            if busy:
+                log.warning("store tier: %d Mooncake calls still in flight at close; the client is left open", busy)
+                _LEFT_OPEN.append(client)
+            else:
+                client.close()
