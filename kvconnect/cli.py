@@ -30,6 +30,7 @@ BENCHES: dict[str, tuple[str, str, str]] = {
     "handshake": ("kvconnect.bench.handshake", "side-channel round trips, with and without a secret", ""),
     "isolation": ("kvconnect.bench.isolation", "loads from a healthy producer beside a stopped one", "nixl"),
     "offload": ("kvconnect.bench.offload", "CPU-tier store and load beside memcpy", ""),
+    "soak": ("kvconnect.bench.soak", "P/D and offload tiers under a seeded schedule of real faults", "nixl"),
     "transfer": ("kvconnect.bench.transfer", "P/D pull beside the raw backend and memcpy", "nixl"),
 }
 
