@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 from typing import Any
 
 from kvconnect.cliargs import add_pull_options

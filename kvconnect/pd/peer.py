@@ -17,9 +17,7 @@ import logging
 import math
 import queue
 import time
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from kvconnect import metrics, wire
 from kvconnect.errors import KVConnectError, PeerRestarted

@@ -23,13 +23,12 @@ import numpy as np
 from kvconnect.errors import KVConnectError
 from kvconnect.workload.soak_producer import ProducerProc, Shape
 from kvconnect.workload.soak_schedule import (NONE, WAIT_SLACK_S, Clock, Schedule, Tally, content, memory_bounded,
-                                              rss_bytes)
+                                              run_steps)
 from kvconnect.workload.soak_tamper import TAMPERS, tampered
 
 PD_FAULTS = ("kill_restart", "stop_short", "stop_long", "abort_mid_read", "lease_expired", *TAMPERS)
 TARGETED = {"abort_mid_read", "lease_expired", *TAMPERS}  # aimed at a step's first load only
 REFUSALS = (KVConnectError, ValueError, TypeError)  # what start_load raises for params it refuses
-WARM_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -119,16 +118,10 @@ class PDSoak:
         """Run steps until the phase's time is up, then check that nothing is left held; the tally."""
         clock = Clock(self.seconds)
         self._open()
-        step = 0
         try:
-            while clock.left() > 0:
-                self._step(_Step(step, self.schedule.fault(step), self.schedule.rng(step)))
-                step += 1
-                if step == WARM_STEPS:
-                    self.tally.rss_warm = rss_bytes()
+            step = run_steps(clock, self.tally, lambda n: self._step(_Step(n, self.schedule.fault(n), self.schedule.rng(n))))
             self._end(step)
         finally:
-            self.tally.steps, self.tally.seconds = step, time.monotonic() - clock.start
             if self.consumer is not None:
                 self.consumer.close()
             self.producer.stop()

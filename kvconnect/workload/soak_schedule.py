@@ -17,7 +17,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -147,6 +147,23 @@ def memory_bounded(tally: Tally, step: int) -> None:
     if tally.rss_warm and tally.rss_end - tally.rss_warm > max(128 << 20, tally.rss_warm // 2):
         tally.violation("memory", step, NONE, f"RSS grew from {tally.rss_warm >> 20} MiB after warm-up to "
                                               f"{tally.rss_end >> 20} MiB")
+
+
+WARM_STEPS = 30  # steps before the RSS that memory_bounded compares against is taken
+
+
+def run_steps(clock: Clock, tally: Tally, step: Callable[[int], None]) -> int:
+    """Call `step(n)` for n = 0, 1, ... until the clock runs out, taking the warm RSS on the way; the count."""
+    n = 0
+    try:
+        while clock.left() > 0:
+            step(n)
+            n += 1
+            if n == WARM_STEPS:
+                tally.rss_warm = rss_bytes()
+    finally:
+        tally.steps, tally.seconds = n, time.monotonic() - clock.start
+    return n
 
 
 class Clock:

@@ -21,11 +21,10 @@ import numpy as np
 
 from kvconnect.workload.soak_producer import Shape
 from kvconnect.workload.soak_schedule import (NONE, WAIT_SLACK_S, Clock, Schedule, Tally, content, memory_bounded,
-                                              rss_bytes)
+                                              run_steps)
 from kvconnect.workload.soak_tierfaults import Ground
 
 TIER_FAULTS = ("master_restart", "master_stall", "flip_disk", "flip_store", "full_disk", "reopen")
-WARM_STEPS = 30
 HISTORY = 400  # requests a load may go back to
 
 
@@ -93,7 +92,6 @@ class TierSoak:
         clock = Clock(self.seconds)
         self.ground = Ground()
         self.tally.not_made.update(self.ground.not_made)
-        step = 0
         try:
             self.master = self.ground.start_store()
             self.tally.not_made.update(self.ground.not_made)
@@ -101,14 +99,9 @@ class TierSoak:
             self.views = [t.numpy() for t in self.caches.values()]
             self.shadow = [v.copy() for v in self.views]
             self._open()
-            while clock.left() > 0:
-                self._step(step, self.schedule.fault(step), self.schedule.rng(step))
-                step += 1
-                if step == WARM_STEPS:
-                    self.tally.rss_warm = rss_bytes()
+            step = run_steps(clock, self.tally, lambda n: self._step(n, self.schedule.fault(n), self.schedule.rng(n)))
             self._end(step)
         finally:
-            self.tally.steps, self.tally.seconds = step, time.monotonic() - clock.start
             if self.conn is not None:
                 self._close_conn()
             self.ground.close()
