@@ -1,5 +1,8 @@
 """The `kvconnect` command: demo, doctor, proxy and bench <name>; only the command asked for is imported.
 
+A command module has `add_arguments(parser)` and `run(args) -> int`, and may have
+`check_arguments(args)`, which raises UsageError for flags that are wrong together.
+
 Exit codes: 0 success; 1 the command ran and found a failure (a byte differed, a request failed, a
 backend cannot move bytes); 2 a bad command line (one line naming the flag); 3 a package or library
 the command needs is missing (with the install hint); 4 the command crashed (a bug: traceback shown).
@@ -53,7 +56,7 @@ def _top_parser() -> argparse.ArgumentParser:
                        f"run:\n{_table(BENCHES, 4)}\n\n"
                        "Run `kvconnect COMMAND -h` for a command's options.")
     p.add_argument("--version", action="version", version=f"kvconnect {__version__}")
-    p.add_argument("command", choices=[*COMMANDS, "bench"], metavar="COMMAND")
+    p.add_argument("command", choices=[*COMMANDS, "bench"], metavar="COMMAND", help="one of the commands below")
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
 
@@ -77,6 +80,9 @@ class Parsed:
 
 def _resolve(argv: Sequence[str] | None) -> tuple[Parsed, str, list[str]]:
     top = _top_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `kvconnect`: what it can do, not argparse's complaint
+        top.print_help(sys.stderr)
+        top.exit(EXIT_USAGE)
     args = top.parse_args(argv)
     rest, prog = list(args.rest), f"kvconnect {args.command}"
     entry = COMMANDS.get(args.command)
@@ -99,6 +105,13 @@ def parse(argv: Sequence[str] | None = None) -> Parsed:
     parser = _Parser(prog=parsed.prog, description=help_)
     parsed.module.add_arguments(parser)
     parsed.args = parser.parse_args(rest)
+    # Flags that only mean something together are judged here, so that a bad combination is a parse error too.
+    check = getattr(parsed.module, "check_arguments", None)
+    if check is not None:
+        try:
+            check(parsed.args)
+        except UsageError as exc:
+            parser.error(str(exc))
     return parsed
 
 

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=not args.no_raw,
                     seed=args.seed)
+    if not args.json:  # drawn at once: the producer's start and the raw baseline come before the first pull
+        progress_bar(0, args.requests)
     result = run_pull(spec, progress=None if args.json else progress_bar)
     if args.json:
         print(json.dumps(result))

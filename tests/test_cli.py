@@ -31,6 +31,16 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     (["bench", "offload", "--tokens", "4"], "--tokens must cover at least one full block of 16 tokens"),
     (["bench", "handshake", "--timeout", "nan"], "--timeout: must be a positive number"),
     (["bench", "isolation", "--rounds", "x"], "--rounds: expected a positive integer, got 'x'"),
+    (["bench", "offload", "--tier", "disk", "--dir", "/nonexistent/xx"], "--dir: no such directory: '/nonexistent/xx'"),
+    (["bench", "offload", "--tier", "disk", "--page-kib", "0"], "--page-kib: must be at least 1"),
+    (["bench", "offload", "--page-kib", "64"], "--page-kib needs --tier"),
+    (["bench", "offload", "--dir", "."], "--dir needs --tier"),
+    (["bench", "offload", "--tier", "disk", "--master", "127.0.0.1:1"], "--master needs --tier store"),
+    (["bench", "offload", "--tier", "disk", "--regions", "3"], "--page-kib: each page size must split into --regions 3"),
+    (["demo", "--requests", "99999999999999999999"], "--requests: must be in 1..10000"),
+    (["bench", "transfer", "--prefill-tp", "2"], "--prefill-tp needs --decode-tp"),
+    (["bench", "transfer", "--decode-tp", "2"], "--decode-tp needs --prefill-tp"),
+    (["bench", "transfer", "--prefill-tp", "2", "--decode-tp", "1", "--plot", "x.png"], "--plot sweeps a 1 -> 1 pull"),
     (["bench", "nosuch"], "unknown benchmark 'nosuch'"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port: must be in 1..65535"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:2", "--host", "0.0.0.0"], "0.0.0.0"),
@@ -41,6 +51,33 @@ def test_bad_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, argv, nam
     assert code == EXIT_USAGE, (code, err)
     assert named in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) <= 3, err  # argparse's usage line, then the error
+
+
+def test_kvconnect_alone_prints_the_commands_and_exits_2(capsys) -> None:
+    code, out, err = _run(capsys)
+    assert code == EXIT_USAGE and not out and "required" not in err
+    assert "usage: kvconnect" in err and all(name in err for name in ("demo", "doctor", "proxy", "bench NAME",
+                                                                       "transfer", "isolation"))
+
+
+@pytest.mark.parametrize("argv, slow_step, label", [
+    (["demo"], "kvconnect.workload.pull.run_pull", "pulling ["),
+    (["bench", "transfer"], "kvconnect.workload.pull.run_pull", "pulling ["),
+    (["bench", "transfer", "--prefill-tp", "2", "--decode-tp", "1"], "kvconnect.workload.tp.run_tp_pull", "runs ["),
+    (["bench", "isolation"], "kvconnect.bench.isolation._start", "producers, warm-up, rounds ["),
+])
+def test_long_commands_draw_their_progress_line_before_the_first_slow_step(capsys, monkeypatch, argv, slow_step,
+                                                                            label) -> None:
+    seen = []
+
+    def slow(*args, **kwargs):
+        seen.append(capsys.readouterr().err)
+        raise KeyboardInterrupt  # what was drawn so far is all this test needs
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+    monkeypatch.setattr(slow_step, slow)
+    assert _run(capsys, *argv)[0] == 130
+    assert label in seen[0] and "] 0/" in seen[0], seen
 
 
 def test_version_and_the_preset_list(capsys) -> None:

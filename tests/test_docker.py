@@ -105,6 +105,17 @@ def adapter_keys(name: str) -> set[str]:
 
 # ---- Dockerfiles ----
 
+def test_the_docker_readme_lists_every_file_here():
+    table = re.findall(r"^\| `([^`]+)`", (DOCKER / "README.md").read_text(), re.M)
+    assert {f.name for f in DOCKER.iterdir() if f.name != "README.md"} <= set(table), table
+
+
+def test_the_docker_readme_names_the_model_the_engines_serve(tmp_path: Path):
+    text = (DOCKER / "README.md").read_text()
+    default = rendered(tmp_path, BASE)["services"]["prefill"]["command"]
+    assert option(default, "--model")[0] in text and "make_llama" in text
+
+
 def test_both_images_have_a_dockerfile():
     assert [p.name for p in DOCKERFILES] == ["Dockerfile.cpu", "Dockerfile.gpu"]
 

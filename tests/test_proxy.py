@@ -518,15 +518,14 @@ def test_config_refuses_non_positive_timeouts():
         ProxyConfig(prefill=["http://a:1"], decode=["http://b:1"], request_timeout_s=0)
 
 
-def test_proxy_command_serves_and_refuses_a_wildcard_bind(fakes):
+def test_proxy_command_serves_and_logs_no_line_per_health_probe(fakes):
     p, d = fakes("p0"), fakes("d0")
-    cmd = [sys.executable, "-m", "kvconnect.cli", "proxy", "--prefill", p.url, "--decode", d.url]
-    refused = subprocess.run(cmd + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
-    assert refused.returncode != 0 and "--allow-wildcard" in refused.stderr
     s = _listen()
     port = s.getsockname()[1]
     s.close()
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "kvconnect.cli", "proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port),
+           "--health-interval-s", "0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
 
@@ -539,11 +538,63 @@ def test_proxy_command_serves_and_refuses_a_wildcard_bind(fakes):
 
         wait_until(up, timeout=60, what="kvconnect proxy to serve")
         assert post(base).json()["served_by"] == "d0"
+        d.healthy = False
+        wait_until(lambda: not up(), what="decode to be probed down")
+        time.sleep(0.5)  # a few more probes of the instance that is down
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]
-    # At the default log level: where it listens and what it routes to.
+    # At the default log level: where it listens, what it routes to, state changes; not httpx's line per call.
     assert f"listening on http://127.0.0.1:{port}" in out and f"decode instances {d.url}" in out, out
+    assert f"decode instance {d.url} is down" in out and "HTTP Request:" not in out, out
+
+
+def _proxy_main(capsys, *argv: str) -> tuple[int, str]:
+    from kvconnect.cli import main
+
+    try:
+        code = main(["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_an_address_the_router_cannot_listen_on_is_a_bad_command_line(capsys):
+    taken = _listen()
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        code, err = _proxy_main(capsys, "--port", str(port))
+    finally:
+        taken.close()
+    assert code == 2 and err.strip() == f"kvconnect proxy: error: --port: cannot listen on 127.0.0.1:{port}: " \
+                                        "Address already in use", err
+    # 192.0.2.1 is TEST-NET-1: never an address of this host.
+    code, err = _proxy_main(capsys, "--host", "192.0.2.1", "--port", "8000")
+    assert code == 2 and "--host: cannot listen on 192.0.2.1:8000" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_wildcard_refusals_name_what_each_caller_sets(capsys):
+    from kvconnect.config import ConnectorConfig
+    from kvconnect.errors import KVConnectError
+
+    code, err = _proxy_main(capsys, "--host", "0.0.0.0")
+    assert code == 2 and "'0.0.0.0'" in err and "--allow-wildcard" in err, err
+    # The connector's setting (the same key in vLLM's kv_connector_extra_config), not the router's flag.
+    with pytest.raises(KVConnectError, match="set allow_wildcard to true") as refused:
+        ConnectorConfig(role="producer", host="0.0.0.0")
+    assert "--allow-wildcard" not in str(refused.value)
+
+
+def test_unknown_routes_answer_an_openai_error_body(fakes, router):
+    r = router([fakes("p0")], [fakes("d0")])
+    got = httpx.post(r.url + "/v1/embeddings", json={"model": "m", "input": "x"}, timeout=10)
+    assert got.status_code == 404 and got.headers["content-type"] == "application/json"
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 404
+    assert "POST /v1/embeddings" in error["message"] and "POST /v1/completions" in error["message"]
+    got = httpx.get(r.url + "/v1/completions", timeout=10)
+    assert got.status_code == 405 and got.json()["error"]["code"] == 405
 
 
 def test_models_come_from_a_live_decode_instance(fakes, router):

@@ -102,9 +102,19 @@ def run(args: argparse.Namespace) -> int:
     from kvconnect.connector import ConnectorConfig, KVConnector
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    # The two producers' start and the warm-up take seconds before the first round: they are steps too.
+    draw, steps = (None if args.json else bar("producers, warm-up, rounds")), args.rounds + 3
+
+    def step(done: int) -> None:
+        if draw:
+            draw(done, steps)
+
+    step(0)
     num_blocks = args.loads * args.blocks + 1
     healthy_proc, healthy, _ = _start(args.backend, "healthy", num_blocks)
+    step(1)
     stuck_proc, stuck, stuck_pid = _start(args.backend, "stopped", 4)  # blocks 0..3; the consumer reads into 0
+    step(2)
     import torch
 
     consumer = KVConnector(ConnectorConfig(role="consumer", backend=args.backend, engine_id="bench-decode",
@@ -113,10 +123,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[float]] = {"alone": [], "beside_stopped": []}
     try:
         _round(consumer, healthy, None, args, "warm-up")
-        progress = None if args.json else bar("rounds")
         for r in range(args.rounds):
-            if progress:
-                progress(r, args.rounds)
+            step(3 + r)
             results["alone"] += _round(consumer, healthy, None, args, f"alone{r}")
             held = _hold(stuck, f"stuck{r}", [r % 4])  # held before the producer stops: it cannot answer after
             os.kill(stuck_pid, signal.SIGSTOP)
@@ -125,8 +133,7 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 os.kill(stuck_pid, signal.SIGCONT)
             _drain(consumer)
-        if progress:
-            progress(args.rounds, args.rounds)
+        step(steps)
     finally:
         consumer.close()
         for pipe, proc in ((healthy, healthy_proc), (stuck, stuck_proc)):

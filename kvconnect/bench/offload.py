@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 
-from kvconnect.cliargs import UsageError, positive_int, preset_names
+from kvconnect.cliargs import UsageError, positive_int, positive_ints, preset_names, writable_dir
 from kvconnect.progress import bar
 
 
@@ -25,13 +25,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive_int, default=1, help="copy worker threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    tiers = parser.add_argument_group("lower tiers (--tier)")
+    # The tier options default to None so that one given without --tier is caught (check_arguments).
+    tiers = parser.add_argument_group("lower tiers (--tier; the options below need it)")
     tiers.add_argument("--tier", choices=("disk", "store"), help="bench a lower tier instead of the host pool")
-    tiers.add_argument("--page-kib", default="64,256,2048", help="page sizes in KiB, comma-separated")
-    tiers.add_argument("--pages", type=positive_int, default=64, help="pages per pass")
-    tiers.add_argument("--regions", type=positive_int, default=4, help="regions (layers) a page spans")
-    tiers.add_argument("--dir", default=None, help="directory for the disk tier (default: the temp directory)")
-    tiers.add_argument("--master", default="", help="Mooncake master host:port (default: start one on loopback)")
+    tiers.add_argument("--page-kib", type=positive_ints, help="page sizes in KiB, comma-separated (default 64,256,2048)")
+    tiers.add_argument("--pages", type=positive_int, help="pages per pass (default 64)")
+    tiers.add_argument("--regions", type=positive_int, help="regions (layers) a page spans (default 4)")
+    tiers.add_argument("--dir", type=writable_dir, help="an existing directory to make the bench's temporary "
+                       "directory in: the file system measured (default: the temp directory)")
+    tiers.add_argument("--master", help="Mooncake master host:port, with --tier store (default: start one on loopback)")
+
+
+TIER_DEFAULTS = {"page_kib": [64, 256, 2048], "pages": 64, "regions": 4, "master": ""}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse tier options without --tier (they would be ignored), then fill in their defaults."""
+    given = [name for name in (*TIER_DEFAULTS, "dir") if getattr(args, name) is not None]
+    if given and not args.tier:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} needs --tier disk or --tier store (without --tier the host pool is measured)")
+    if args.tier == "disk" and args.master is not None:
+        raise UsageError("--master needs --tier store")
+    for name, default in TIER_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if any((kib * 1024) % args.regions for kib in args.page_kib):
+        raise UsageError(f"--page-kib: each page size must split into --regions {args.regions} equal rows")
 
 
 def _timed(fn) -> float:

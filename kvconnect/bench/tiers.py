@@ -124,9 +124,7 @@ def run_tier(args: argparse.Namespace) -> int:
     from kvconnect.offload.tiers.integrity import page_checksums
     from kvconnect.offload.tiers.local_store import LocalStore
 
-    sizes = [int(s) for s in str(args.page_kib).split(",")]
-    if any(s <= 0 or (s * 1024) % args.regions for s in sizes):
-        raise UsageError(f"--page-kib must be positive and divide into --regions {args.regions} rows")
+    sizes = list(args.page_kib)  # checked against --regions by offload.check_arguments
     rng = np.random.default_rng(args.seed)
     results, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="kvconnect-bench-", dir=args.dir) as tmp:

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from kvconnect.cliargs import add_pull_options, positive_int, positive_ints
+from kvconnect.cliargs import UsageError, add_pull_options, positive_int, positive_ints
+from kvconnect.progress import bar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(needs the `plot` extra: matplotlib)")
     parser.add_argument("--sweep", type=positive_ints, default="256,1024,4096",
                         help="token counts for --plot, comma-separated")
-    parser.add_argument("--prefill-tp", type=positive_int, default=1,
-                        help="prefill ranks (one process each); with --decode-tp, a pull between TP sizes")
-    parser.add_argument("--decode-tp", type=positive_int, default=1, help="decode ranks (connectors in this process)")
+    tp = parser.add_argument_group("between TP sizes (--prefill-tp and --decode-tp, both given)")
+    tp.add_argument("--prefill-tp", type=positive_int, help="prefill ranks (one process each)")
+    tp.add_argument("--decode-tp", type=positive_int, help="decode ranks (connectors in this process)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """A pull between TP sizes names both sizes; without them both are 1."""
+    if (args.prefill_tp is None) != (args.decode_tp is None):
+        given, missing = ("--prefill-tp", "--decode-tp") if args.decode_tp is None else ("--decode-tp", "--prefill-tp")
+        raise UsageError(f"{given} needs {missing}: a pull between TP sizes names both (e.g. --prefill-tp 2 "
+                         f"--decode-tp 1)")
+    if args.prefill_tp is not None and args.plot:
+        raise UsageError("--plot sweeps a 1 -> 1 pull; it does not combine with --prefill-tp/--decode-tp")
+    args.prefill_tp, args.decode_tp = args.prefill_tp or 1, args.decode_tp or 1
 
 
 def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[str, Any]:
@@ -34,6 +46,8 @@ def measure(args: argparse.Namespace, tokens: int, show_progress: bool) -> dict[
     spec = PullSpec(backend=args.backend, preset=args.preset, tokens=tokens, requests=args.requests,
                     concurrency=args.concurrency, block_table=args.block_table, raw=True, seed=args.seed,
                     block_size=args.block_size, layout=args.layout)
+    if show_progress:  # drawn at once: the producer's start and the raw baseline come before the first pull
+        progress_bar(0, args.requests)
     r = run_pull(spec, progress=progress_bar if show_progress else None)
     mem = memcpy_gbps(r["bytes_per_request"])
     return {
@@ -86,9 +100,19 @@ def run_tp(args: argparse.Namespace) -> int:
 
     spec = TPSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
                   prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, seed=args.seed)
+    draw = None if args.json else bar("runs")  # three steps: across TP sizes, 1 -> 1, descriptor build
+
+    def step(done: int) -> None:
+        if draw:
+            draw(done, 3)
+
+    step(0)
     tp = run_tp_pull(spec)
+    step(1)
     same = run_tp_pull(TPSpec(**{**spec.__dict__, "prefill_tp": 1, "decode_tp": 1}))
+    step(2)
     build_ms, rows = descriptor_build_ms()
+    step(3)
     result = {**tp, "backend": args.backend, "preset": args.preset, "tokens": args.tokens,
               "one_to_one_gbps": same["gbps"], "ratio_vs_one_to_one": tp["gbps"] / same["gbps"],
               "ratio_vs_backend": tp["gbps"] / tp["backend_gbps"] if tp["backend_gbps"] else None,

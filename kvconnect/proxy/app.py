@@ -18,6 +18,7 @@ import httpx
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -146,6 +147,15 @@ class Router:
             raise ProxyError(400, f"request body is not valid JSON: {exc}", "invalid_request_error")
 
 
+async def no_such_route(request: Request, exc: HTTPException) -> Response:
+    """An unknown route or method as an OpenAI error body (404 or 405), naming the routes there are."""
+    served = ", ".join(f"{'/'.join(sorted(set(r.methods) - {'HEAD'}))} {r.path}" for r in request.app.routes)
+    what = "no route" if exc.status_code == 404 else "method not allowed:"
+    error = ProxyError(exc.status_code, f"{what} {request.method} {request.url.path}; kvconnect proxy serves "
+                                        f"{served}", "invalid_request_error")
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
 def create_app(config: ProxyConfig) -> Starlette:
     """The router as an ASGI app (serve it with uvicorn, or `kvconnect proxy`)."""
     router = Router(config)
@@ -155,6 +165,6 @@ def create_app(config: ProxyConfig) -> Starlette:
         Route(MODELS, router.models, methods=["GET"]),
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics_route, methods=["GET"]),
-    ], lifespan=router.lifespan)
+    ], lifespan=router.lifespan, exception_handlers={404: no_such_route, 405: no_such_route})
     app.state.router = router
     return app

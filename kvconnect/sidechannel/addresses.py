@@ -10,7 +10,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-WILDCARD_HINT = "pass allow_wildcard=True (--allow-wildcard) to listen on every interface"
+# The setting is `allow_wildcard` wherever check_bind is reached: ConnectorConfig, SideChannelServer,
+# Producer, and the vLLM connectors' kv_connector_extra_config. `kvconnect proxy` has its own flag
+# and its own message.
+WILDCARD_HINT = "set allow_wildcard to true to listen on every interface"
 
 
 def strip_brackets(host: str) -> str:
