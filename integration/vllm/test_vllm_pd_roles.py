@@ -185,7 +185,7 @@ class _Core:
     def expect(self, key, addr, ids, ntok, handle):
         self._call("expect", key, handle)
 
-    def push(self, key, ids, handle, layerwise=False):
+    def push(self, key, ids, handle, layerwise=False, fence=None):
         self._call("push", key, handle, layerwise)
 
     def abort(self, rid):
