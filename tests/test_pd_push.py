@@ -236,7 +236,7 @@ class _RecordingConsumer:
     def __init__(self):
         self.loads = []
 
-    def load(self, params, local, *, handle, timeout_s, op, layerwise=False):
+    def load(self, params, local, *, handle, timeout_s, op, layerwise=False, fence=None):
         self.loads.append((params.request_id, [ids.tolist() for ids in local], handle, op))
         return handle
 
