@@ -53,7 +53,12 @@ E2E_STAMP := $(E2E_VENV)/.installed
 
 .PHONY: e2e-venv e2e
 
-e2e-venv: $(E2E_STAMP)
+# vllm-router (a Rust P/D router, from PyPI) for integration/vllm/test_router_e2e.py. Its stamp names the
+# version, so a new pin reaches an existing virtualenv.
+E2E_ROUTER_VERSION := 0.1.17
+E2E_ROUTER_STAMP := $(E2E_VENV)/.vllm-router-$(E2E_ROUTER_VERSION)
+
+e2e-venv: $(E2E_STAMP) $(E2E_ROUTER_STAMP)
 
 $(E2E_STAMP): pyproject.toml | sysdeps
 	@test -x $(E2E_PY) || $(PYTHON) -m venv $(E2E_VENV)
@@ -63,6 +68,10 @@ $(E2E_STAMP): pyproject.toml | sysdeps
 	@# Their PyPI builds fail to import beside the CPU torch.
 	@$(E2E_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(E2E_PY) -m pip install -q -e '.[nixl,mooncake-cpu,test,proxy]'
+	@touch $@
+
+$(E2E_ROUTER_STAMP): | $(E2E_STAMP)
+	$(E2E_PY) -m pip install -q 'vllm-router==$(E2E_ROUTER_VERSION)'
 	@touch $@
 
 e2e: e2e-venv

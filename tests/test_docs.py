@@ -9,7 +9,9 @@ new kind of command in the docs gets a check before it lands:
 - `python3 -m vllm.entrypoints.openai.api_server ...`: a kvconnect connector, a kv_role vLLM takes, and
   only extra-config keys the adapter reads (the e2e suite starts the README's P/D commands for real);
 - `docker build -f FILE` / `docker compose -f FILE ...`: the files exist (test_docker renders them);
-- `curl URL`: a route that `kvconnect proxy` serves.
+- `curl URL`: a route that `kvconnect proxy` serves;
+- `vllm-router --vllm-pd-disaggregation --prefill URL --decode URL`: the e2e suite runs it for real
+  (integration/vllm/test_router_e2e.py).
 Synopses (`kvconnect demo [--tokens N]`) go in ```text blocks.
 """
 
@@ -68,6 +70,8 @@ def check(argv: list[str]) -> None:
     elif argv[0] == "curl":
         url = next(a for a in argv if a.startswith("http"))
         assert re.sub(r"^https?://[^/]+", "", url) in ROUTER_ROUTES, url
+    elif argv[0] == "vllm-router":
+        assert {"--vllm-pd-disaggregation", "--prefill", "--decode"} <= set(argv), argv
     else:
         pytest.fail("a kind of command this check does not know: add a rule for it above")
 

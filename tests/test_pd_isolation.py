@@ -115,6 +115,25 @@ def test_a_load_names_one_lease_and_is_refused_for_one_the_producer_never_held(p
     assert producer.held_blocks() == 0
 
 
+def test_a_lease_read_to_the_end_is_never_read_again_even_before_its_producer_heard_done(
+        producers, consumers, monkeypatch) -> None:
+    # Params naming a lease this consumer already read (a router replaying or garbling them) would read
+    # that request's KV into another request's blocks while the done notice is still on its way.
+    from kvconnect.pd.outbox import Outbox
+
+    producer = producers("dense", 16, PRODUCER_SEED)
+    conn, _ = consumers("dense", 16)
+    monkeypatch.setattr(Outbox, "send", lambda self: None)  # the done notice never leaves
+    params = producer.hold("once", [np.array([1, 2])], tokens=32)
+    conn.start_load(params, [[0, 1]], handle="first")
+    assert wait_for(conn, ["first"]).loaded == ["first"]
+    assert producer.held_blocks() == 2  # the producer still holds the lease: it never heard done
+    with pytest.raises(KVConnectError, match="read by this consumer already"):
+        conn.start_load(params, [[5, 6]], handle="replayed")
+    monkeypatch.undo()
+    conn.release_remote(params)  # frees the producer's blocks for the teardown's check
+
+
 def test_keep_alive_holds_a_lease_while_the_request_waits(producers, consumers) -> None:
     producer = producers("dense", 16, PRODUCER_SEED, lease_s=1.0)
     conn, caches = consumers("dense", 16, heartbeat_s=0.2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -34,6 +35,9 @@ from kvconnect.shards import RankPlan, rank_plan
 from kvconnect.transport.base import Transport
 
 __all__ = ["Consumer", "LoadFailure", "LoadResults"]
+
+# Leases remembered as read (about 100 bytes each): far more than a producer holds at once.
+MAX_READ_LEASES = 65536
 
 
 @dataclass
@@ -86,6 +90,10 @@ class Consumer:
         self._parts: dict[str, _Parts] = {}
         self._plans: dict[int, RankPlan] = {}
         self._leases: dict[str, str] = {}  # producer request id -> handle of the load using it
+        # Leases this consumer read to the end, newest last: a lease is read once. Until the producer
+        # hears the done notice it still holds the blocks, and params naming it again (a router's
+        # garbled or replayed ones) would read another request's KV into this load's blocks.
+        self._read: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._results = LoadResults()
         self._closed = False
 
@@ -124,6 +132,9 @@ class Consumer:
             if params.request_id in self._leases:
                 raise KVConnectError(f"producer request {params.request_id!r} is already being read by load "
                                      f"{self._leases[params.request_id]!r}")
+            if _lease_key(params) in self._read:
+                raise KVConnectError(f"producer request {params.request_id!r} of {params.engine_id} was read by this "
+                                     "consumer already (a lease is read once)")
             workers = [self._worker(PeerAddr.of(params, part.peer_rank)) for part in parts]
             releasers = [self._worker(PeerAddr.of(params, p)) for p in plan.releases]
             self._by_handle[handle] = workers
@@ -229,6 +240,9 @@ class Consumer:
         self._forget(load)
         if parts.failure is None:
             self._results.loaded.append(load.handle)
+            self._read[_lease_key(load.params)] = None
+            while len(self._read) > MAX_READ_LEASES:
+                self._read.popitem(last=False)
             return
         self._results.failed[load.handle] = parts.failure
         for ids in load.local:
@@ -264,6 +278,11 @@ class Consumer:
                                      f"refusing a load from {addr}")
             worker = self._workers[addr] = PeerWorker(self, addr)
         return worker
+
+
+def _lease_key(params: wire.TransferParams) -> tuple[str, str, str]:
+    """A lease, named as only one producer incarnation could name it."""
+    return params.engine_id, params.incarnation, params.request_id
 
 
 def _require_params(params: object) -> None:

@@ -141,12 +141,16 @@ class Tally:
         return out
 
 
-def memory_bounded(tally: Tally, step: int) -> None:
-    """The end RSS against the one after warm-up: a generous bound (half again, at least 128 MiB more)."""
+def memory_bounded(tally: Tally, step: int, allowance: int = 0, why: str = "") -> None:
+    """The end RSS against the one after warm-up: a generous bound (half again, at least 128 MiB more),
+    plus `allowance` bytes a library is known to keep (`why` says what, in the report)."""
     tally.rss_end = rss_bytes()
-    if tally.rss_warm and tally.rss_end - tally.rss_warm > max(128 << 20, tally.rss_warm // 2):
+    bound = max(128 << 20, tally.rss_warm // 2) + allowance
+    if allowance:
+        tally.info["memory allowance"] = f"{allowance >> 20} MiB ({why})"
+    if tally.rss_warm and tally.rss_end - tally.rss_warm > bound:
         tally.violation("memory", step, NONE, f"RSS grew from {tally.rss_warm >> 20} MiB after warm-up to "
-                                              f"{tally.rss_end >> 20} MiB")
+                                              f"{tally.rss_end >> 20} MiB (bound: {bound >> 20} MiB more)")
 
 
 WARM_STEPS = 30  # steps before the RSS that memory_bounded compares against is taken
