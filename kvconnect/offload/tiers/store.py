@@ -41,8 +41,20 @@ MAX_BATCH_KEYS = 128
 MAX_BATCH_BYTES = 64 << 20
 SLOW_LOOKUP_S = 0.5
 CLOSE_WAIT_S = 5.0
+LATE_CLOSE_WAIT_S = 120.0  # past Mooncake's own 30 s per stalled call, with room
 _LEFT_OPEN: list = []  # clients closed while a call was in flight: never freed under it
 _clients_set_up = [0]  # Mooncake clients this process set up: each costs memory the library keeps
+
+
+def _close_when_idle(client: object, calls: InFlight) -> None:
+    """Close a client left open at close() once its calls returned (Mooncake's own deadline bounds them),
+    so that its buffers are not kept for the life of the process."""
+    if calls.wait_idle(LATE_CLOSE_WAIT_S) == 0:
+        _LEFT_OPEN.remove(client)
+        client.close()
+    else:
+        log.warning("store tier: Mooncake calls still in flight %.0f s after close; the client stays open",
+                    LATE_CLOSE_WAIT_S)
 
 
 def clients_set_up() -> int:
@@ -302,7 +314,9 @@ class StoreTier(Tier):
         busy = self._calls.wait_idle(CLOSE_WAIT_S)
         if client is not None:
             if busy:
-                log.warning("store tier: %d Mooncake calls still in flight at close; the client is left open", busy)
+                log.warning("store tier: %d Mooncake calls still in flight at close; the client is closed once "
+                            "they return", busy)
                 _LEFT_OPEN.append(client)
+                spawn(_close_when_idle, name="kvconnect-store-close", args=(client, self._calls))
             else:
                 client.close()
