@@ -177,10 +177,12 @@ class KVConnector:
         self._producer().hold_lease(request_id, block_ids, num_tokens)
 
     def start_load(self, params: wire.TransferParams | Mapping[str, Any], local_block_ids: Sequence[Sequence[int]],
-                   *args: Any, handle: str | None = None, timeout_s: float | None = None) -> str:
+                   *args: Any, handle: str | None = None, timeout_s: float | None = None,
+                   decoded: bool = False) -> str:
         """Consumer: pull the blocks `params` name into local block ids (a shorter local list pulls the suffix).
 
-        `params`: a `TransferParams` is taken as is, a mapping is parsed into one (WireError if malformed).
+        `params`: a mapping is parsed, a `TransferParams` checked, one `decoded` by kvconnect's parsers
+        taken as is (an engine adapter that parsed them at its edge: they are checked once).
         The load reads, and then releases, the producer's lease `params.request_id`; `handle` (default:
         that same id) is the engine's name for it in `get_finished()` and `abort()`. Returns the handle.
         """
@@ -188,14 +190,14 @@ class KVConnector:
             raise TypeError("start_load(request_id, local_block_ids, params) is now start_load(params, "
                             "local_block_ids, handle=...): the lease read is params.request_id, and the engine's own "
                             "id, if it differs, goes in handle=")
-        params = parsed(params)
+        params = parsed(params, decoded)
         if self._keeper is not None:
             self._keeper.untrack(params.request_id)
         return self._consumer().load(params, local_block_ids, handle=handle, timeout_s=timeout_s)
 
-    def release_remote(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
+    def release_remote(self, params: wire.TransferParams | Mapping[str, Any], decoded: bool = False) -> None:
         """Consumer: tell the producer to free a request's blocks without reading them (no handshake)."""
-        self._consumer().release(parsed(params))
+        self._consumer().release(parsed(params, decoded))
 
     def keep_alive(self, params: wire.TransferParams | Mapping[str, Any]) -> None:
         """Consumer: heartbeat the producer's lease until `start_load` (or `release_remote`) for it."""
@@ -299,9 +301,11 @@ class KVConnector:
         return self.consumer
 
 
-def parsed(params: wire.TransferParams | Mapping[str, Any]) -> wire.TransferParams:
-    """Transfer params as the struct: a `TransferParams` as is, a mapping parsed once (WireError if malformed)."""
-    if isinstance(params, wire.TransferParams):
+def parsed(params: wire.TransferParams | Mapping[str, Any], decoded: bool = False) -> wire.TransferParams:
+    """Transfer params as a checked struct (WireError otherwise): a mapping is parsed, a struct built in
+    Python is checked (msgspec checks what it decodes, not a constructor's arguments), and a struct
+    `decoded` by kvconnect's own parsers (`from_vllm`, `transfer_params_from_builtins`) is taken as is."""
+    if isinstance(params, wire.TransferParams) and decoded:
         return params
     return wire.checked_params(dict(params) if isinstance(params, Mapping) else params)
 

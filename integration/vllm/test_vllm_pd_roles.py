@@ -173,10 +173,10 @@ class _Core:
 
             raise BlockRangeError(f"{name} refused")
 
-    def start_load(self, params, ids, handle):
+    def start_load(self, params, ids, handle, decoded=False):
         self._call("start_load", params, handle)
 
-    def release_remote(self, params):
+    def release_remote(self, params, decoded=False):
         self._call("release_remote", params.request_id)
 
     def hold_blocks(self, rid, ids, ntok):

@@ -33,7 +33,7 @@ class PullWorker(PDWorkerBase):
     def _load(self, load: LoadOrder) -> None:
         log.debug("kvconnect: load %s", load.request_id)
         try:
-            self.core.start_load(load.params, load.block_ids, handle=load.request_id)
+            self.core.start_load(load.params, load.block_ids, handle=load.request_id, decoded=True)
         except KVConnectError as exc:  # ids out of range, sizes that cannot map: the request fails as the policy says
             self._refuse(load.request_id, LoadFailure.of(Stage.PARAMS, exc))
             self._release(load.params, load.request_id)  # the producer need not wait out its lease
@@ -48,6 +48,6 @@ class PullWorker(PDWorkerBase):
 
     def _release(self, params: wire.TransferParams, request_id: str) -> None:
         try:
-            self.core.release_remote(params)
+            self.core.release_remote(params, decoded=True)
         except KVConnectError as exc:
             log.info("kvconnect: could not release the remote blocks of %s: %s", request_id, exc)
