@@ -164,3 +164,17 @@ def test_backend_errors_map_to_the_most_specific_kind() -> None:
     with pytest.raises(PeerUnreachable):
         check_rc(-101, "socket")
     assert failed_batch_kind(-1, 0.1) == "unreachable" and failed_batch_kind(-1, 1e9) == "timeout"
+
+
+def test_a_failed_mooncake_batch_is_a_timeout_from_the_earliest_of_mooncakes_deadlines(monkeypatch) -> None:
+    from kvconnect.transport.mooncake_errors import failed_batch_kind
+
+    # Mooncake's TCP sessions drop a connection with no progress after 30 s whatever MC_TRANSFER_TIMEOUT
+    # says: a batch that failed then timed out; it did not find its peer unreachable.
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "240")
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)
+    monkeypatch.delenv("MC_TCP_STATUS_TIMEOUT_SEC", raising=False)
+    assert failed_batch_kind(-1, 30.0) == "timeout"
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "240")
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "240")
+    assert failed_batch_kind(-1, 30.0) == "unreachable" and failed_batch_kind(-1, 240.0) == "timeout"

@@ -15,6 +15,8 @@ import pytest
 from harness import Engine, assert_close, kv_config, prompts_of, read_stats, wait_for
 from pages import assert_tp_pages
 
+from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
+
 pytestmark = pytest.mark.timeout(1200)
 
 MAX_TOKENS = 6
@@ -33,9 +35,11 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # meets (Mooncake's batch, decode's load and its side-channel connects) is LOAD_S or close to it, so that
 # only a hang, not a stall, fails a request.
 LOAD_S = 300.0
-# Mooncake's batch deadline a minute inside the load's, as the operator guide advises: a hung batch
-# still ends, and is reported, before the load's deadline.
-STALL_ROOM = {"MC_TRANSFER_TIMEOUT": f"{LOAD_S - 60:.0f}"}
+# Mooncake's batch deadlines a minute inside the load's, as the operator guide advises: a hung batch
+# still ends, and is reported, before the load's deadline. All three: over TCP, a connection that moves
+# no bytes (or gets no status frame) for 30 s is dropped whatever MC_TRANSFER_TIMEOUT says, which is how
+# a CI run failed a batch after 30.0 s with MC_TRANSFER_TIMEOUT=240.
+STALL_ROOM = {name: f"{LOAD_S - 60:.0f}" for name in BATCH_DEADLINES}
 
 
 @pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])

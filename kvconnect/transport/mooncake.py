@@ -28,9 +28,10 @@ returns, since a batch handed to Mooncake cannot be recalled and may still write
 
 Mooncake returns -1 for any failure, which reads FAILED. A peer killed mid-batch fails it within
 about 0.1 s over TCP (the connection resets); a later batch to it fails within a second (connection
-refused). A hung peer fails a batch only at Mooncake's own deadline, `MC_TRANSFER_TIMEOUT` (30 s by
-default, read when an engine is created) plus 1 ns per byte: callers keep a deadline of their own.
-That deadline is wall time: a host that stalls this long (either end) fails the batch just the same,
+refused). A hung peer fails a batch only at the earliest of Mooncake's own deadlines
+(`MC_TRANSFER_TIMEOUT`, and over TCP `MC_TCP_PROGRESS_TIMEOUT_SEC` and `MC_TCP_STATUS_TIMEOUT_SEC`;
+30 s each by default, read when an engine is created): callers keep a deadline of their own.
+Those deadlines are wall time: a host that stalls this long (either end) fails the batch just the same,
 sometimes without a line in Mooncake's log.
 
 Mooncake's errors are mapped once, here: what the engine raises goes through `mooncake_errors(what)`, a

@@ -35,16 +35,26 @@ def check_rc(rc: int, what: str, default: type[TransferError] = LocalInvalid) ->
         raise _RC_ERRORS.get(rc, default)(f"Mooncake {what} (returned {rc})")
 
 
-def _batch_deadline_s() -> float:
-    """Mooncake's own deadline for a batch (MC_TRANSFER_TIMEOUT): a batch failing this late timed out."""
+# Mooncake's deadlines for a batch, each 30 s unless set, read when an engine starts: the batch as a
+# whole (MC_TRANSFER_TIMEOUT), and over TCP a connection with no bytes moving or no status frame from
+# the peer. The first to pass fails the batch, so the earliest is the one that counts.
+BATCH_DEADLINES = ("MC_TRANSFER_TIMEOUT", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+
+
+def _seconds(name: str) -> float:
     try:
-        return float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+        return float(os.environ.get(name, "30"))
     except ValueError:
         return 30.0
+
+
+def batch_deadline_s() -> float:
+    """The earliest of Mooncake's own deadlines for a batch: a batch failing this late timed out."""
+    return min(_seconds(name) for name in BATCH_DEADLINES)
 
 
 def failed_batch_kind(rc: int, took_s: float) -> str:
     """The TransferError kind of a batch that returned `rc` after `took_s` seconds."""
     if rc in _RC_ERRORS:
         return _RC_ERRORS[rc].kind
-    return (TransferTimeout if took_s >= _batch_deadline_s() else PeerUnreachable).kind
+    return (TransferTimeout if took_s >= batch_deadline_s() else PeerUnreachable).kind
