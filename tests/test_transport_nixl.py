@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnect.descriptors import Pairing, select
-from kvconnect.errors import BlockRangeError, LayoutError, LocalInvalid, TransferError
+from kvconnect.errors import BlockRangeError, LayoutError, TransferError
 from kvconnect.faults import FaultyTransport
 from kvconnect.regions import RegionSet
 from kvconnect.transport.base import TransferState
 from kvconnect.transport.nixl import NixlTransport
 
-PEER_BLOCKS, LOCAL_BLOCKS = 64, 48
-PEER_SEED, LOCAL_SEED = 11, 22
+import transport_checks
+
+PEER_BLOCKS, LOCAL_BLOCKS = transport_checks.PEER_BLOCKS, 48
+PEER_SEED, LOCAL_SEED = transport_checks.PEER_SEED, 22
 TIMEOUT_S = 20.0
 CTX = mp.get_context("spawn")
 
@@ -171,33 +172,11 @@ def test_read_of_runs_and_torch_ids(pair) -> None:
 
 
 def test_a_checked_selection_posts_as_it_is_and_only_to_its_own_peer(pair) -> None:
-    t, caches, regions, peer = pair
-    remote_ref = block_bytes(small_caches(PEER_BLOCKS, PEER_SEED), peer.regions)
-    lids, rids = [7, 8, 20], [50, 51, 2]
-    selection = select("READ", regions, lids, peer.regions, rids)
-    h = t.post(selection, "prefill")
-    assert t.wait(h, TIMEOUT_S) is TransferState.DONE
-    t.release(h)
-    after = block_bytes(caches, regions)
-    for k in range(len(regions)):
-        np.testing.assert_array_equal(after[k][lids], remote_ref[k][rids])
-    lookalike = RegionSet.from_wire(peer.regions.to_wire())  # equal geometry, but not the peer's checked set
-    with pytest.raises(LocalInvalid, match="other regions"):
-        t.post(select("READ", regions, [0], lookalike, [0]), "prefill")
-    with pytest.raises(LocalInvalid, match="carries its own"):
-        t.post(selection, "prefill", [0], [0])
+    transport_checks.a_checked_selection_posts_as_it_is_and_only_to_its_own_peer(pair, small_caches, block_bytes)
 
 
 def test_a_pairing_checked_elsewhere_is_taken_by_add_peer_only_for_the_registered_regions(pair) -> None:
-    t, _, regions, peer = pair
-    with pytest.raises(LocalInvalid, match="other regions"):
-        t.add_peer("paired", peer.metadata, Pairing(RegionSet.from_wire(regions.to_wire()), peer.regions))
-    pairing = Pairing(regions, peer.regions)
-    t.add_peer("paired", peer.metadata, pairing)
-    h = t.post(pairing.select("READ", [1], [1]), "paired")
-    assert t.wait(h, TIMEOUT_S) is TransferState.DONE
-    t.release(h)
-    t.remove_peer("paired")
+    transport_checks.a_pairing_checked_elsewhere_is_taken_only_for_the_registered_regions(pair)
 
 
 def test_write_lands_in_the_named_peer_blocks_only(pair) -> None:
