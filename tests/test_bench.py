@@ -30,9 +30,10 @@ def test_bench_transfer_in_a_tiny_configuration_verifies_every_byte(backend) -> 
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["verified"] is True and r["failed"] == {}
     assert r["requests"] == 3 and r["bytes"] == 3 * r["bytes_per_request"] == 3 * 61 * 3 * 16 * 576 * 2
-    for key in ("kvconnect_gbps", "raw_gbps", "memcpy_gbps"):
+    for key in ("kvconnect_gbps", "raw_gbps", "raw_entries_gbps", "memcpy_gbps"):
         assert r[key] > 0
     assert r["ratio_vs_raw"] == pytest.approx(r["kvconnect_gbps"] / r["raw_gbps"])
+    assert r["ratio_vs_raw_entries"] == pytest.approx(r["kvconnect_gbps"] / r["raw_entries_gbps"])
     assert r["held_blocks_after"] == 0
 
 

@@ -175,9 +175,9 @@ class _Run:
         self.pipe, child = ctx.Pipe()
         self.proc = ctx.Process(target=_producer_main, args=(child, spec, self.num_blocks), daemon=True)
         self.proc.start()
-        self.caches, groups = self.preset.allocate(self.num_blocks, spec.layout)
+        self.caches, self.groups = self.preset.allocate(self.num_blocks, spec.layout)
         self.consumer = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode",
-                                                    block_size=self.preset.block_size, groups=groups))
+                                                    block_size=self.preset.block_size, groups=self.groups))
         self.latencies: list[float] = []
         self.failed: dict[str, str] = {}
         self.verified = True
@@ -185,18 +185,29 @@ class _Run:
         self.done = 0
         self.rng = np.random.default_rng(spec.seed + 2)
 
-    def start(self) -> float:
-        """The raw baseline (when asked for), then registration; returns the raw GB/s (0 without it)."""
-        raw_gbps = 0.0
+    def start(self) -> tuple[float, float]:
+        """The raw baselines (when asked for), then registration; returns the raw GB/s, whole buffer and
+        as this run's entries (0 without them)."""
+        raw = (0.0, 0.0)
         if self.spec.raw:
-            raw_gbps = _raw_baseline(self.spec, self.preset.bytes_per_request(self.spec.tokens), self.pipe, self.proc)
+            raw = _raw_baseline(self.spec, *self._entries(), self.pipe, self.proc)
         else:
             self.pipe.send(("no-raw", None))
         expect_reply(self.pipe, "ready", self.proc)
         self.consumer.register_kv_caches(self.caches)
         self.views = _byte_views(self.caches, self.consumer.regions)
         self.base = _base_rows(len(self.views), [v.shape[1] for v in self.views], self.spec.seed)
-        return raw_gbps
+        return raw
+
+    def _entries(self) -> tuple[np.ndarray, np.ndarray]:
+        """The byte size of each descriptor one request posts (its blocks of every layer of every group),
+        and how many of them each layer has."""
+        def page(name: str) -> int:
+            t = self.caches[name]
+            return t[0].numel() * t.element_size()
+        layers = [(n, page(name)) for n, group in zip(self.need, self.groups) for name in group.layers]
+        return (np.concatenate([np.full(n, size, dtype=np.int64) for n, size in layers]),
+                np.array([n for n, _ in layers], dtype=np.int64))
 
     def wave(self, members: list[tuple[int, str]], timed: bool) -> float:
         """Hold, pull and check one wave of requests; returns its pull seconds."""
@@ -248,7 +259,7 @@ class _Run:
         if self.proc.is_alive():
             self.proc.kill()
 
-    def figures(self, pull_seconds: float, raw_gbps: float) -> dict[str, Any]:
+    def figures(self, pull_seconds: float, raw: tuple[float, float]) -> dict[str, Any]:
         """What the run measured, as one dict."""
         spec = self.spec
         per_request = self.preset.bytes_per_request(spec.tokens)
@@ -262,8 +273,9 @@ class _Run:
             "p99_ms": float(np.percentile(lat_ms, 99)),
             "descriptors_per_request": int(sum(n * k for n, k in zip(self.need, regions_per_group))),
             "verified": self.verified and not self.failed, "failed": self.failed,
-            "held_blocks_after": self.held_after, "raw_backend": spec.backend, "raw_gbps": raw_gbps,
-            "ratio_vs_raw": gbps / raw_gbps if raw_gbps else None,
+            "held_blocks_after": self.held_after, "raw_backend": spec.backend, "raw_gbps": raw[0],
+            "ratio_vs_raw": gbps / raw[0] if raw[0] else None, "raw_entries_gbps": raw[1],
+            "ratio_vs_raw_entries": gbps / raw[1] if raw[1] else None,
         }
 
 
@@ -272,7 +284,7 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
     run = _Run(spec, progress)
     pull_seconds = 0.0
     try:
-        raw_gbps = run.start()
+        raw = run.start()
         # One untimed request first: the handshake and the peer's prepared lists are a once-per-peer
         # cost, reported by `kvconnect bench handshake`, not part of a request's pull.
         run.wave([(spec.requests, "warm-up")], timed=False)
@@ -285,17 +297,25 @@ def run_pull(spec: PullSpec, progress: Callable[[int, int], None] | None = None)
         expect_reply(run.pipe, "stopped", run.proc)
     finally:
         run.close()
-    return run.figures(pull_seconds, raw_gbps)
+    return run.figures(pull_seconds, raw)
 
 
-def _raw_baseline(spec: PullSpec, nbytes: int, parent: Any, proc: mp.Process) -> float:
+def _raw_baseline(spec: PullSpec, sizes: np.ndarray, runs: np.ndarray, parent: Any,
+                  proc: mp.Process) -> tuple[float, float]:
+    from kvconnect.transport.options import DEFAULT_MAX_BATCH_ENTRIES
     from kvconnect.workload.raw import RawSide
 
+    nbytes = int(sizes.sum())
     parent.send(("raw", nbytes))
     remote = expect_reply(parent, "raw", proc)
     side = RawSide(spec.backend, nbytes, fill=False)
+    repeat = max(3, spec.requests // spec.concurrency)
     try:
-        return side.read_gbps(remote, repeat=max(3, spec.requests // spec.concurrency))
+        whole = side.read_gbps(remote, repeat=repeat)
+        # kvconnect's Mooncake transport posts a request in batches of max_batch_entries, one after another
+        # per peer; NIXL takes a request's descriptors as one transfer.
+        return whole, side.read_entries_gbps(remote, sizes, runs, batch=DEFAULT_MAX_BATCH_ENTRIES, repeat=repeat,
+                                             seed=spec.seed)
     finally:
         side.close()
         parent.send(("raw-done", None))

@@ -1,7 +1,9 @@
-"""The raw-backend baseline: the backend's own API moving one buffer as one descriptor, no kvconnect code.
+"""The raw-backend baselines: the backend's own API moving one buffer, no kvconnect code.
 
 Each side is a `RawSide` in its own process; the reader gets the writer's `metadata()` by any means
-(the benchmarks use a pipe) and times whole-buffer READs, checking the bytes after the last one.
+(the benchmarks use a pipe) and times READs, checking the bytes after the last one: the whole buffer as
+one descriptor, and (`read_entries_gbps`) the same bytes as the entries a kvconnect request posts, in
+the same batches, so that the backend's cost per entry shows apart from kvconnect's.
 """
 
 from __future__ import annotations
@@ -75,6 +77,74 @@ class RawSide:
         if not torch.equal(self.buf, _pattern(self.nbytes)):
             raise RuntimeError("raw NIXL READ delivered different bytes")
         return self.nbytes / best / 1e9
+
+    def read_entries_gbps(self, remote: dict[str, Any], sizes: np.ndarray, runs: np.ndarray, batch: int,
+                          repeat: int = 5, seed: int = 0) -> float:
+        """Best-of GB/s of READs of `sizes` entries, posted `batch` entries at a time one batch after another;
+        bytes verified. Entries come in `runs` (a request's blocks of one layer) and are shuffled within
+        each, as a random block table's blocks are within their layer's region."""
+        if int(sizes.sum()) != self.nbytes or remote["nbytes"] != self.nbytes or int(runs.sum()) != len(sizes):
+            raise ValueError("the entries must cover both raw buffers exactly, in runs that cover the entries")
+        sizes = sizes.astype(np.int64)
+        rng = np.random.default_rng(seed)
+        starts = np.concatenate(([0], np.cumsum(runs)[:-1]))
+        order = np.concatenate([start + rng.permutation(n) for start, n in zip(starts.tolist(), runs.tolist())])
+        local = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        far = np.empty_like(local)
+        far[order] = np.concatenate(([0], np.cumsum(sizes[order])[:-1]))
+        # Remote bytes land where the whole-buffer READ puts them only if the shuffle is undone: the check
+        # compares against the pattern moved to the local offsets.
+        expect = _pattern(self.nbytes).numpy()
+        want = np.empty_like(expect)
+        for lo, fo, n in zip(local.tolist(), far.tolist(), sizes.tolist()):  # verification only, after timing
+            want[lo:lo + n] = expect[fo:fo + n]
+        if self.backend == "mooncake":
+            seconds = self._mooncake_entries(remote, local, far, sizes, batch, repeat)
+        else:
+            seconds = self._nixl_entries(remote, local, far, sizes, repeat)
+        if not np.array_equal(self.buf.numpy(), want):
+            raise RuntimeError(f"raw {self.backend} READ of entries delivered different bytes")
+        return self.nbytes / seconds / 1e9
+
+    def _nixl_entries(self, remote: dict[str, Any], local: np.ndarray, far: np.ndarray, sizes: np.ndarray,
+                      repeat: int) -> float:
+        if self._remote is None:
+            self._remote = self.agent.add_remote_agent(remote["agent"])
+        zeros = np.zeros_like(sizes)
+        rows = np.stack([local + self.buf.data_ptr(), sizes, zeros], axis=1).astype(np.uint64)
+        far_rows = np.stack([far + remote["addr"], sizes, zeros], axis=1).astype(np.uint64)
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(rows, "DRAM"),
+                                            self.agent.get_xfer_descs(far_rows, "DRAM"), self._remote)
+        best = float("inf")
+        try:
+            for i in range(repeat + 1):
+                t0 = time.perf_counter()
+                state = self.agent.transfer(handle)
+                while state == "PROC":
+                    state = self.agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL READ of entries ended in {state}")
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+        finally:
+            self.agent.release_xfer_handle(handle)
+        return best
+
+    def _mooncake_entries(self, remote: dict[str, Any], local: np.ndarray, far: np.ndarray, sizes: np.ndarray,
+                          batch: int, repeat: int) -> float:
+        base = self.buf.data_ptr()
+        batches = [((local[i:i + batch] + base).tolist(), (far[i:i + batch] + remote["addr"]).tolist(),
+                    sizes[i:i + batch].tolist()) for i in range(0, len(sizes), batch)]
+        best = float("inf")
+        for i in range(repeat + 1):
+            t0 = time.perf_counter()
+            for mine, theirs, lengths in batches:
+                rc = self.engine.batch_transfer_sync_read(remote["session"], mine, theirs, lengths)
+                if rc != 0:
+                    raise RuntimeError(f"raw Mooncake READ of entries returned {rc}")
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        return best
 
     def close(self) -> None:
         """Release in the backend's order (NIXL: handle, remote agent, registration, agent)."""
