@@ -25,6 +25,15 @@ def test_a_block_is_visible_only_once_its_store_completed() -> None:
     assert m.lookup(["a", "b", "c"]) == 2
 
 
+def test_a_block_on_its_way_in_is_not_absent_so_a_second_promotion_of_it_is_never_promised() -> None:
+    m = OffloadManager(4)
+    up = m.prepare_store(["a", "b"], leading=True)  # a promotion in flight
+    assert [m.absent(k) for k in "abc"] == [False, False, True]
+    assert len(m.prepare_store(["a", "b", "c"], leading=True)) == 0  # what a second request would get
+    m.complete_store(up, ok=False, promoted=True)
+    assert m.absent("a") and m.absent("b")  # a failed promotion frees its keys for the next request
+
+
 def test_a_failed_store_publishes_nothing_and_frees_its_slots() -> None:
     m = OffloadManager(3, "arc")
     _stored(m, ["a"])

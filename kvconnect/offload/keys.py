@@ -3,21 +3,26 @@
 The key of block `i` is `blake2b(key of block i-1 || token ids of block i)`, with token ids encoded
 as little-endian int64 and a fixed personalisation string. It depends only on those bytes, never on
 the process, the platform or Python's hash seed, so workers on different hosts agree on keys.
+
+With tensor parallelism a block is several shards, one per rank: `shard_keys` derives the keys one
+rank's pages go under in a tier the ranks share, from the block keys and the rank's `shard_id`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
 from kvconnect.errors import KVConnectError
+from kvconnect.shards import PageShards, owned
 
 KEY_BYTES = 16
 # Changing either constant changes every key: bump the version when the encoding changes.
 _PERSON = b"kvconnect-blk1"
 _ROOT_TAG = b"kvconnect-root1"
+_SHARD_PERSON = b"kvconnect-shrd1"
 
 Key = Hashable
 
@@ -74,3 +79,28 @@ def check_keys(keys: Sequence[Key]) -> list[Key]:
         except TypeError as exc:
             raise KVConnectError(f"key at position {pos} is not hashable: {key!r}") from exc
     return out
+
+
+def shard_id(tp: int, rank: int, pages: Mapping[str, PageShards | None]) -> bytes:
+    """What makes one tensor-parallel rank's pages distinct: b"" at TP 1 (keys stay as they are), else a
+    digest of the TP size, the rank and, per layer, the page split and the parts this rank holds."""
+    if tp == 1:
+        return b""
+    lines = [f"tp{tp}:rank{rank}"]
+    for name in sorted(pages):
+        split = pages[name]
+        if split is None:  # a page every rank holds its own way (a state layer): the rank alone tells them apart
+            lines.append(f"{name}=whole")
+            continue
+        for s in split:
+            first, n = owned(s.total, tp, rank)
+            lines.append(f"{name}={s.offset},{s.repeat},{s.stride},{s.unit},{s.total}:{first}+{n}")
+    return hashlib.blake2b("\n".join(lines).encode(), digest_size=KEY_BYTES, person=_SHARD_PERSON).digest()
+
+
+def shard_keys(keys: Sequence[bytes], shard: bytes) -> list[bytes]:
+    """The keys one shard's pages go under in a shared tier: `keys` themselves for b"" (TP 1)."""
+    if not shard:
+        return list(keys)
+    # One small hash per block, as block_keys: a shard's page never answers to another shard's key.
+    return [hashlib.blake2b(shard + bytes(k), digest_size=KEY_BYTES, person=_SHARD_PERSON).digest() for k in keys]

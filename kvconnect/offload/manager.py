@@ -119,6 +119,11 @@ class OffloadManager:
             entry = self._entries.get(key)
             return entry is not None and entry.ready
 
+    def absent(self, key: Key) -> bool:
+        """Whether `key` has no slot at all: neither published nor on its way in (no stats)."""
+        with self._lock:
+            return key not in self._entries
+
     def touch(self, keys: Sequence[Key]) -> None:
         """Record a use of every published key among `keys`, the first one ending most recent."""
         with self._lock:

@@ -119,14 +119,15 @@ class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler, per step, what the finished sets cannot say about the offload tier.
 
     `failed_stores`: stores whose keys must not be published; `failed_fetches`: asynchronous loads
-    whose pages did not all come up (their slots are freed); `written_down`: requests whose stored
-    pages reached the lower tiers (their slots may be evicted now); `disk_stored` / `disk_gone`: keys
+    whose pages did not all come up (their slots are freed); `written_down`: (request, TP rank) pairs
+    where the rank is done with the stored slots: its pages reached the lower tiers, or its store
+    failed (once every rank is done, the slots may be evicted or freed); `disk_stored` / `disk_gone`: keys
     the disk tier gained and lost (evicted, or missing or corrupt when read).
     """
 
     failed_stores: set[str] = field(default_factory=set)
     failed_fetches: set[str] = field(default_factory=set)
-    written_down: set[str] = field(default_factory=set)
+    written_down: set[tuple[str, int]] = field(default_factory=set)
     disk_stored: list[bytes] = field(default_factory=list)
     disk_gone: list[bytes] = field(default_factory=list)
 

@@ -8,18 +8,24 @@ With lower tiers (`tiers` in the extra config), a hit may continue below the hos
 get host slots, and the request waits (an asynchronous load) while the worker brings them up and
 copies them in; what cannot come up is reported as a load error and recomputed. Stored blocks stay
 pinned after they are published until the worker reports them written down.
+
+With tensor parallelism this one scheduler decides for every rank: each rank's worker runs the same
+orders on its own host pool (the same slots, each holding that rank's shard of the block), so a key
+the manager holds is held by every rank. Below the host pool each rank writes its shard under its own
+keys; the lower index counts a block only when every rank's page is there, and a stored block's
+slots stay pinned until every rank reported it done with them (written down, or its store failed).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from kvconnect.integrations.vllm.config import OffloadConfig
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import StatsFile
-from kvconnect.integrations.vllm.tiers import LowerIndex
+from kvconnect.integrations.vllm.tiers import lower_index
 from kvconnect.offload.keys import block_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
 from kvconnect.offload.tiers import leading
@@ -34,7 +40,7 @@ class OffloadScheduler:
     """Prefix lookups, load plans and store plans for one engine's host tier."""
 
     def __init__(self, config: OffloadConfig, *, block_size: int, num_slots: int, slot_bytes: int,
-                 namespace: bytes = b""):
+                 namespace: bytes = b"", shards: Sequence[bytes] = (b"",)):
         self.block_size = block_size
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
@@ -45,7 +51,10 @@ class OffloadScheduler:
         self._load_batches: list[list[LoadPlan]] = []  # load plans per built step, unpinned when it reported
         self._stores: dict[str, StorePlan] = {}
         self._stats_file = StatsFile(config.stats_path)
-        self.lower = LowerIndex(config.tiers, namespace, slot_bytes) if config.tiers else None
+        self.lower = lower_index(config.tiers, namespace, slot_bytes, shards) if config.tiers else None
+        self.tp = len(shards)
+        self._written_by: dict[str, set[int]] = {}  # request -> ranks done writing its store down
+        self._abandoned: dict[str, StorePlan] = {}  # failed stores whose slots a rank may still read
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
         self._promotions: dict[str, tuple[LoadPlan, StorePlan]] = {}
         self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
@@ -72,8 +81,12 @@ class OffloadScheduler:
             hits += 1
         below = 0
         if self.lower is not None and start + hits < limit:
-            found = self.lower.contains(keys[start + hits:limit])
-            below = leading(found)
+            # A block already on its way into the host pool (another request's promotion or store) can
+            # get no second slot: the hit from below stops before it, and this request computes the rest.
+            end = start + hits
+            while end < limit and self.manager.absent(keys[end]):
+                end += 1
+            below = leading(self.lower.contains(keys[start + hits:end]))
         self._computed[request.request_id] = num_computed_tokens
         self._matched[request.request_id] = (hits, below)
         return (hits + below) * self.block_size, below > 0
@@ -125,13 +138,28 @@ class OffloadScheduler:
                 self._tier["promoted" if ok else "promote_failed"] += len(up)
         for rid in output.finished_sending or ():
             plan = self._stores.pop(rid, None)
-            if plan is not None:
-                down = self.lower is not None and rid not in meta.failed_stores and len(plan) > 0
-                self.manager.complete_store(plan, rid not in meta.failed_stores, pin=down)
-                if down:
-                    self._writing[rid] = plan.keys
+            if plan is None:
+                continue
+            failed = rid in meta.failed_stores
+            if failed and self.lower is not None and self.tp > 1:
+                # A store that failed on one rank only: the others may still be writing these slots
+                # down, so the slots are freed (nothing published) once every rank is done with them.
+                self._abandoned[rid] = plan
+                continue
+            down = self.lower is not None and not failed and len(plan) > 0
+            self.manager.complete_store(plan, not failed, pin=down)
+            if down:
+                self._writing[rid] = plan.keys
         # After the publishing above: a write-down can be reported in the step its store is.
-        for rid in meta.written_down:
+        for rid, rank in meta.written_down:
+            ranks = self._written_by.setdefault(rid, set())
+            ranks.add(rank)
+            if len(ranks) < self.tp:
+                continue  # another rank still reads the slots: they must not be reused yet
+            del self._written_by[rid]
+            if rid in self._abandoned:
+                self.manager.complete_store(self._abandoned.pop(rid), False)
+                continue
             keys = self._writing.pop(rid, ())
             self.manager.unpin(keys)
             self._tier["written_down"] += len(keys)

@@ -5,23 +5,29 @@ wrote them. A failed load reports its blocks as invalid (vLLM recomputes them); 
 costs a future miss. With lower tiers, stored blocks are also written down in the background, and a
 load that needs blocks from below runs on a worker thread (the request waits, the engine steps on)
 and is reported in finished_recving when done.
+
+With tensor parallelism each rank's worker holds its own shard of every block in its own pool, at
+the slots the one scheduler chose, and writes it below under its shard's keys (`shard`), so no rank
+is ever served another rank's heads, nor an engine of another TP size its shards.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvconnect.errors import TransferError
 from kvconnect.integrations.vllm.config import TierConfig
+from kvconnect.integrations.vllm.dump import PageDump
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import KVConnectStats, StepStats
 from kvconnect.integrations.vllm.tiers import make_tiers
 from kvconnect.offload.jobs import JobRunner, OffloadJob
+from kvconnect.offload.keys import shard_keys
 from kvconnect.offload.mover import BlockMover
 from kvconnect.offload.tiers import PoolView, leading
 from kvconnect.offload.tiers.chain import TierChain
@@ -35,8 +41,13 @@ class OffloadWorker:
     """Runs one engine worker's tier copies."""
 
     def __init__(self, *, num_slots: int, slot_bytes: int, timeout_s: float, connector: str,
-                 tiers: Sequence[TierConfig] = (), namespace: bytes = b""):
+                 tiers: Sequence[TierConfig] = (), namespace: bytes = b"", tp: int = 1, rank: int = 0,
+                 shard: bytes = b"", check_split: Callable[[dict[str, torch.Tensor]], None] | None = None):
         self.num_slots = num_slots
+        self.rank, self.tp = rank, tp
+        self._dump: PageDump | None = None  # a test-only window on the pages (KVCONNECT_DUMP_DIR)
+        self.shard = shard
+        self._check_split = check_split
         self.slot_bytes = slot_bytes
         self.timeout_s = timeout_s
         self.connector = connector
@@ -46,23 +57,26 @@ class OffloadWorker:
         self._invalid: set[int] = set()
         self._stats = StepStats(with_metrics=False)
         # Built here, so a tier directory that cannot be written fails at start, not at the first store.
-        self._tiers = make_tiers(tiers, namespace)
+        self._tiers = make_tiers(tiers, namespace, tp, rank)
         self._chain: TierChain | None = None
         self._fetcher: JobRunner | None = None
         self._lock = threading.Lock()  # the sets below are also written by the tier threads
         self._recved: set[str] = set()
         self._failed_fetches: set[str] = set()
-        self._written: set[str] = set()
+        self._written: set[tuple[str, int]] = set()
         self._fetched = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Allocate the host pool for these caches (one slot holds one block of every region)."""
+        if self._check_split is not None:
+            self._check_split(kv_caches)
         regions = RegionSet.from_kv_caches(kv_caches)
         got = sum(r.block_bytes for r in regions)
         if got != self.slot_bytes:
             raise ValueError(f"{self.connector}: registered KV caches hold {got} bytes per block, the KV-cache "
                              f"config says {self.slot_bytes}; this layout is not supported")
         self._mover = BlockMover(kv_caches, regions, self.num_slots)
+        self._dump = PageDump.from_env(kv_caches, (), self.rank if self.tp > 1 else None)
         if self._tiers:
             self._chain = TierChain(self._tiers, PoolView(tuple(p.view(torch.uint8).numpy() for p in self._mover.pool)))
             self._fetcher = JobRunner(1, name="kvconnect-offload-fetch")
@@ -90,10 +104,14 @@ class OffloadWorker:
                 self._mover.store(np.asarray(store.block_ids, dtype=np.int64), np.asarray(store.slots, dtype=np.int64),
                                   self._mover.engine_event(), self.timeout_s)
                 self._stats.add(blocks_stored=len(store.block_ids))
+                self._dump_pages("stored", store.keys, store.block_ids)
                 self._write_down(store)
             except Exception as exc:  # the blocks are only a cache: losing them costs a future miss
                 log.warning("kvconnect offload: store for %s failed: %s", store.request_id, exc)
                 self._failed_stores.add(store.request_id)
+                if self._chain is not None:  # this rank is done with the slots (other ranks may not be)
+                    with self._lock:
+                        self._written.add((store.request_id, self.rank))
             self._sent.add(store.request_id)
 
     def _write_down(self, store: OffloadStore) -> None:
@@ -104,10 +122,16 @@ class OffloadWorker:
 
         def done(_keys: object) -> None:
             with self._lock:
-                self._written.add(rid)
+                self._written.add((rid, self.rank))
 
-        if self._chain.write_behind(store.keys, np.asarray(store.slots, dtype=np.int64), done) == 0:
+        if self._chain.write_behind(shard_keys(store.keys, self.shard), np.asarray(store.slots, dtype=np.int64), done) == 0:
             done(None)
+
+    def _dump_pages(self, kind: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """With KVCONNECT_DUMP_DIR set (tests only): each block's pages in a file named by its key."""
+        if self._dump is not None:
+            for key, block in zip(keys, block_ids):
+                self._dump.write(kind, key.hex(), [[block]])
 
     def _fetch(self, load: OffloadLoad) -> None:
         """An asynchronous load: pages up from the lower tiers, then every slot into its block."""
@@ -119,10 +143,11 @@ class OffloadWorker:
         usable = [0]
 
         def work() -> None:
-            got = self._chain.fetch(load.fetch_keys, slots[load.fetch_from:])
+            got = self._chain.fetch(shard_keys(load.fetch_keys, self.shard), slots[load.fetch_from:])
             ready = load.fetch_from + leading(got)
             if ready:
                 self._mover.load(slots[:ready], ids[:ready], after, self.timeout_s)
+                self._dump_pages("loaded", load.fetch_keys, load.block_ids[load.fetch_from:ready])
             usable[0] = ready
             if not got.all():
                 raise TransferError(f"{int((~got).sum())} of {got.size} blocks missing or corrupt in the lower tiers")
