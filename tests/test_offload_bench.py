@@ -36,3 +36,27 @@ def test_bench_table_and_bad_arguments(capsys) -> None:
         _run(capsys, "--preset", "nope")
     with pytest.raises(UsageError, match="full block"):
         _run(capsys, "--tokens", "3")
+
+
+def _run_tier(capsys, *argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    offload.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    offload.check_arguments(args)  # fills in the tier defaults, as the command line does
+    return offload.run(args), capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tier", ["disk", "store"])
+def test_tier_bench_reports_each_size_beside_its_raw_baseline_and_the_target(capsys, tmp_path, tier) -> None:
+    code, out = _run_tier(capsys, "--tier", tier, "--json", "--page-kib", "64,256", "--pages", "4", "--repeat", "1",
+                     "--dir", str(tmp_path))
+    result = json.loads(out)
+    assert code == 0 and result["verified"] is True and result["target_ratio"] == 0.9
+    assert [s["page_kib"] for s in result["sizes"]] == [64, 256]
+    for size in result["sizes"]:
+        assert size["verified"] and size["rejected"] == 0
+        assert size["store_ratio"] == pytest.approx(size["store_gbps"] / size["raw_store_gbps"])
+        assert size["load_ratio"] == pytest.approx(size["load_gbps"] / size["raw_load_gbps"])
+        assert size["meets_target"] == (min(size["store_ratio"], size["load_ratio"]) >= 0.9)
+    code, out = _run_tier(capsys, "--tier", tier, "--page-kib", "64", "--pages", "2", "--repeat", "1", "--dir", str(tmp_path))
+    assert code == 0 and "target: store and load >= 0.9 x raw" in out and "match the stored pages" in out

@@ -3,26 +3,29 @@
 A batch file is a header, a table of keys and checksums, then the pages region by region (every
 page's row of region 0, then of region 1, ...). The header carries a checksum of itself and one of
 the table, and each page's checksum is in the table: a flipped bit anywhere reads as a corrupt file
-or a corrupt page, never as a wrong page or a size to allocate. Pages are laid out so that a run of
-slots moves with one call per region straight between the pool and the file, never through a
-staging copy. A file is written to `*.tmp` and renamed when complete, so a crash leaves either a
-whole file or a leftover `.tmp`; no fsync, because what the OS had not written when the power went
-fails its checksum and reads as a miss.
+or a corrupt page, never as a wrong page or a size to allocate. Pages are laid out so that they move
+straight between the pool and the file, never through a staging copy: a store writes every region in
+one vectored call (the header and table, which need the checksums, after the pages), a load reads
+one call per region and run of pages. A file is written to `*.tmp` and renamed when complete, so a
+crash leaves either a whole file or a leftover `.tmp`; no fsync, because what the OS had not written
+when the power went fails its checksum and reads as a miss.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import xxhash
 
 from kvconnect.errors import KVConnectError
 from kvconnect.offload.mover import slot_runs
+from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.fileio import read_all, write_all
 
@@ -94,7 +97,7 @@ def read_table(path: Path, ns: bytes, page_bytes: int) -> Table | None:
         if count < 1 or not 1 <= key_bytes <= MAX_KEY_BYTES:
             raise CorruptBatchFile(f"header says {count} pages of {key_bytes}-byte keys")
         table_bytes = count * (key_bytes + 8)
-        data_offset = aligned(HEADER.size + table_bytes)
+        data_offset = data_start(count, key_bytes)
         if file_size != data_offset + count * page_bytes:
             raise CorruptBatchFile(f"{file_size} bytes where its header says {data_offset + count * page_bytes}")
         table = f.read(table_bytes)
@@ -103,6 +106,11 @@ def read_table(path: Path, ns: bytes, page_bytes: int) -> Table | None:
     rows = np.frombuffer(table, dtype=np.uint8).reshape(count, key_bytes + 8)
     return Table([rows[i, :key_bytes].tobytes() for i in range(count)],
                  rows[:, key_bytes:].copy().view("<u8").ravel(), data_offset, file_size)
+
+
+def data_start(count: int, key_bytes: int) -> int:
+    """Where the pages start in a batch file of `count` keys of `key_bytes` each (after header and table)."""
+    return aligned(HEADER.size + count * (key_bytes + 8))
 
 
 def encode_head(ns: bytes, page_bytes: int, keys: Sequence[bytes], sums: np.ndarray) -> tuple[bytes, int]:
@@ -117,33 +125,45 @@ def encode_head(ns: bytes, page_bytes: int, keys: Sequence[bytes], sums: np.ndar
     return head, aligned(len(head))
 
 
-def write_batch(path: Path, head: bytes, data_offset: int, pool: PoolView, slots: np.ndarray) -> None:
-    """Write a batch file of the pages of `slots` under a temporary name, then rename it into place."""
+def write_batch(path: Path, data_offset: int, pool: PoolView, slots: np.ndarray,
+                checksums: Callable[[], Future], encode: Callable[[np.ndarray], bytes]) -> np.ndarray:
+    """Write a batch file of the pages of `slots` under a temporary name, then rename it into place;
+    the pages' checksums.
+
+    `checksums()` starts computing them on the helper thread just before the pages are written (not
+    earlier: the helper holds the GIL between its short hash calls, and the caller needs it until the
+    write starts), and `encode(sums)` gives the header and table, written once the pages are.
+    """
     tmp = path.with_name(path.name + ".tmp")
+    pending = None
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            write_all(fd, [memoryview(head.ljust(data_offset, b"\0"))], 0)
-            # Region by region, straight from the pool: one call per region, a buffer per run of slots.
-            for rows, offset in zip(pool.rows, region_offsets(pool, data_offset, slots.size)):
-                write_all(fd, run_views(rows, slots), offset)
+            # Straight from the pool, every region in one vectored write (regions follow one another
+            # in the file): a buffer per run of slots and region.
+            spans = slot_spans(slots)
+            views = [v for rows in pool.rows for v in span_views(rows, spans)]
+            pending = checksums()
+            write_all(fd, views, data_offset)
+            sums = overlap.result(pending)
+            write_all(fd, [memoryview(encode(sums))], 0)
         finally:
             os.close(fd)
+            if pending is not None:
+                overlap.result(pending)  # never left reading slots that the caller may reuse
         os.rename(tmp, path)  # visible only once complete
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return sums
 
 
-def read_run(fd: int, pool: PoolView, data_offset: int, count: int, first: int, dst: np.ndarray) -> int:
-    """Read pages `first`, `first + 1`, ... of a batch file of `count` pages into slots `dst`; how many
-    of them arrived whole (fewer when the file ends early)."""
-    got_pages = dst.size
-    for rows, offset in zip(pool.rows, region_offsets(pool, data_offset, count)):
-        width = rows.shape[1]
-        got = read_all(fd, run_views(rows, dst), offset + first * width)
-        got_pages = min(got_pages, got // width)
-    return got_pages
+def read_region(fd: int, rows: np.ndarray, region_offset: int, first: int, spans: list[tuple[int, int]]) -> int:
+    """Read one region's rows of pages `first`, `first + 1`, ... of a batch file into the slots of
+    `spans` (the region's rows start at `region_offset`); how many arrived whole (fewer when the file
+    ends early)."""
+    width = rows.shape[1]
+    return read_all(fd, span_views(rows, spans), region_offset + first * width) // width
 
 
 def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
@@ -152,7 +172,12 @@ def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
     return (data_offset + count * before).tolist()
 
 
-def run_views(rows: np.ndarray, slots: np.ndarray) -> list[memoryview]:
-    """One buffer per run of consecutive slots in `rows` (a fresh pool hands out runs)."""
+def slot_spans(slots: np.ndarray) -> list[tuple[int, int]]:
+    """(first slot, count) per run of consecutive slots (a fresh pool hands out runs)."""
     _, first, count = slot_runs(slots)
-    return [memoryview(rows[a:a + n]).cast("B") for a, n in zip(first.tolist(), count.tolist())]
+    return list(zip(first.tolist(), count.tolist()))
+
+
+def span_views(rows: np.ndarray, spans: list[tuple[int, int]]) -> list[memoryview]:
+    """One buffer per span of slots in `rows`."""
+    return [memoryview(rows[a:a + n]).cast("B") for a, n in spans]

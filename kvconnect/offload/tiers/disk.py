@@ -6,6 +6,11 @@ and finds its pages again (a restarted engine keeps its prefixes). Files of anot
 layout or namespace (another model, salt or block size) are left alone; a file of ours that is cut
 short or fails its header or table checksum is deleted (logged), and no file stops the start.
 
+The checksums cost about a quarter of the I/O's time, so they overlap it (`overlap`): a store hashes
+its pages on the helper thread while they are written; a load reads region by region and hashes each
+region on the helper thread while the next is read (rows longer than 64 KiB, on which xxhash
+releases the GIL; shorter ones are hashed between the reads).
+
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:
 a torn or flipped page fails the load of that promotion and its slot is freed, so it never reaches a
@@ -27,11 +32,13 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect.errors import KVConnectError
+from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView, Tier
 from kvconnect.offload.tiers.batchfile import (
-    SUFFIX, CorruptBatchFile, encode_head, file_name, file_number, read_run, read_table, write_batch,
+    SUFFIX, CorruptBatchFile, data_start, encode_head, file_name, file_number, read_region, read_table,
+    region_offsets, slot_spans, write_batch,
 )
-from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
+from kvconnect.offload.tiers.integrity import RegionHasher, namespace_of, slot_checksums
 
 __all__ = ["SUFFIX", "DiskTier"]
 
@@ -193,10 +200,9 @@ class DiskTier(Tier):
             return ok
         new_keys = [k for k, f in zip(keys, fresh) if f]
         new_slots = slots[fresh]
-        sums = slot_checksums(new_keys, pool, new_slots)
         if any(len(k) != len(new_keys[0]) for k in new_keys):
             raise KVConnectError("disk tier keys must all have one length")
-        head, data_offset = encode_head(self._ns, pool.page_bytes, new_keys, sums)
+        data_offset = data_start(len(new_keys), len(new_keys[0]))
         nbytes = len(new_keys) * pool.page_bytes
         size = data_offset + nbytes
         with self._lock:
@@ -205,7 +211,10 @@ class DiskTier(Tier):
             self._evict(size)
         path = self.path / file_name(number)
         try:
-            write_batch(path, head, data_offset, pool, new_slots)
+            # The checksums are computed on the helper thread while the pages are written.
+            sums = write_batch(path, data_offset, pool, new_slots,
+                               lambda: overlap.later(lambda: slot_checksums(new_keys, pool, new_slots)),
+                               lambda s: encode_head(self._ns, pool.page_bytes, new_keys, s)[0])
         except OSError as exc:
             self._count("store_failed", len(new_keys))
             if self._store_error != exc.strerror:
@@ -278,25 +287,33 @@ class DiskTier(Tier):
         order = np.argsort(in_file, kind="stable")
         positions, in_file = positions[order], in_file[order]
         dst = slots[positions]
-        whole = np.zeros(positions.size, dtype=bool)
+        whole = np.ones(positions.size, dtype=bool)
         try:
             fd = os.open(f.path, os.O_RDONLY)
         except OSError:
             self._reject(keys, positions, "its batch file is gone")
             return
+        # In file order, runs of consecutive pages: one read per region and run, a buffer per run of
+        # slots. Region by region, so that the helper thread hashes one region while the next is read.
+        runs = np.split(np.arange(positions.size), np.flatnonzero(np.diff(in_file) != 1) + 1)
+        reads = [(int(in_file[run[0]]), slot_spans(dst[run]), run) for run in runs]
+        hasher = RegionHasher([keys[p] for p in positions], pool, dst)
+        # Rows the hash releases the GIL on are hashed on the helper thread while the next region is
+        # read; shorter ones here, since the helper would hold the GIL that the next read waits for.
+        threaded, hashed = int(pool.row_bytes.min()) > overlap.GIL_FREE_BYTES, None
         try:
-            # Runs of consecutive pages in the file: one read per region and run, a buffer per run of slots.
-            breaks = np.flatnonzero(np.diff(in_file) != 1) + 1
-            for run in np.split(np.arange(positions.size), breaks):
-                got_pages = read_run(fd, pool, f.data_offset, f.count, int(in_file[run[0]]), dst[run])
-                whole[run[:got_pages]] = True
+            for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, f.data_offset, f.count))):
+                for first, spans, run in reads:
+                    whole[run[read_region(fd, rows, offset, first, spans):]] = False
+                if threaded:
+                    hashed = overlap.later(lambda r=region: hasher.add(r))
+                else:
+                    hasher.add(region)
         finally:
             os.close(fd)
-        good = np.zeros(positions.size, dtype=bool)
-        if whole.any():
-            idx = np.flatnonzero(whole)
-            expected = np.array([where[positions[i]][2] for i in idx], dtype=np.uint64)
-            good[idx] = slot_checksums([keys[positions[i]] for i in idx], pool, dst[idx]) == expected
+            if hashed is not None:
+                overlap.result(hashed)  # the helper runs in order: the last region done means all are
+        good = whole & (hasher.digests() == np.array([where[p][2] for p in positions], dtype=np.uint64))
         ok[positions[good]] = True
         self._count("loaded", int(good.sum()), int(good.sum()) * pool.page_bytes)
         if not good.all():
@@ -337,4 +354,3 @@ class DiskTier(Tier):
         """Bytes of batch files the tier holds now."""
         with self._lock:
             return self._bytes
-

@@ -53,3 +53,32 @@ def slot_checksums(keys: Sequence[bytes], pool: PoolView, slots: np.ndarray) -> 
             h.update(rows[slot])
         out[i] = h.intdigest()
     return out
+
+
+class RegionHasher:
+    """Checksums of pages built region by region as their rows arrive (equal to `slot_checksums`).
+
+    A reader that fills the pages one region at a time hands each region here once it is read
+    (`add`, on the helper thread), so the hash of one region overlaps the read of the next.
+    """
+
+    def __init__(self, keys: Sequence[bytes], pool: PoolView, slots: np.ndarray):
+        self._states = [xxhash.xxh3_64(key) for key in keys]
+        self._pool = pool
+        self._slots = np.asarray(slots, dtype=np.int64).tolist()
+        self._next = 0
+
+    def add(self, region: int) -> None:
+        """Hash region `region`'s row of every page (regions must come in order, each once)."""
+        if region != self._next:
+            raise ValueError(f"region {region} hashed after region {self._next - 1}")
+        rows = self._pool.rows[region]
+        for h, slot in zip(self._states, self._slots):
+            h.update(rows[slot])
+        self._next += 1
+
+    def digests(self) -> np.ndarray:
+        """The uint64 checksum of each page (every region must have been added)."""
+        if self._next != len(self._pool.rows):
+            raise ValueError(f"{self._next} of {len(self._pool.rows)} regions hashed")
+        return np.array([h.intdigest() for h in self._states], dtype=np.uint64)

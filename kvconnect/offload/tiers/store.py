@@ -3,10 +3,13 @@
 One `MooncakeDistributedStore` client per instance, contributing no memory of its own (segment 0):
 the store's memory is given by storage nodes (`mooncake_client`, or instances started with a
 segment). An object is a page's rows, region by region, then a 16-byte trailer (magic and the
-page's checksum over its key and bytes). A put reads the pool's slots in place (they and an array
-of trailers are registered with the client). A get is bounded by `get_timeout_s` and lands in a
-registered staging area first (`store_staging`); an object that fails its checks is removed from
-the store and denied here until that succeeds (`store_denylist`), so no instance counts it again.
+page's checksum over its key and bytes). A put of pages with short rows gathers each into one
+registered buffer with its trailer (`store_put`: one transfer per object, not one per row); longer
+rows are put in place from the pool's slots (they and an array of trailers are registered with the
+client). A get is bounded by `get_timeout_s` and lands in a registered staging area first
+(`store_staging`), checked and copied a part at a time while the next part arrives; an object that
+fails its checks is removed from the store and denied here until that succeeds (`store_denylist`),
+so no instance counts it again.
 
 The master's health decides what happens, never the engine's step: down at start, the tier warns
 once and stays off while a background thread tries again every `retry_s`; killed mid-run, gets and
@@ -30,6 +33,7 @@ from kvconnect.offload.tiers.base import PoolView, Tier
 from kvconnect.offload.tiers.calls import InFlight
 from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 from kvconnect.offload.tiers.store_denylist import FORGET_WAIT_S, MAX_DENIED, DenyList
+from kvconnect.offload.tiers.store_put import PutStaging, gathers
 from kvconnect.offload.tiers.store_staging import (GET_STAGING_BYTES, NOT_FOUND, TOO_LARGE, TRAILER_BYTES,
                                                    TRAILER_MAGIC, StagingArea)
 from kvconnect.threads import spawn, unpinned
@@ -97,6 +101,7 @@ class StoreTier(Tier):
         self._pool: PoolView | None = None
         self._trailers: np.ndarray | None = None
         self._staging: StagingArea | None = None
+        self._gather: PutStaging | None = None
         self._client = None
         self._prefix = ""
         self._up = threading.Event()
@@ -115,6 +120,7 @@ class StoreTier(Tier):
         self._pool = pool
         self._trailers = np.zeros((pool.num_slots, 2), dtype="<u8")  # magic, checksum: 16 bytes a slot
         self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned)
+        self._gather = PutStaging(pool, MAX_BATCH_KEYS) if gathers(pool) else None
         self._connect(pool.page_bytes)
 
     def open_for_lookups(self, page_bytes: int) -> None:
@@ -163,7 +169,8 @@ class StoreTier(Tier):
                                                  self.protocol, self.device, self.master))
             if code == 0:
                 _clients_set_up[0] += 1
-                for arr in () if self._pool is None else (*self._pool.rows, self._trailers, self._staging.rows):
+                gathered = () if self._gather is None else (self._gather.rows,)
+                for arr in () if self._pool is None else (*self._pool.rows, self._trailers, self._staging.rows, *gathered):
                     if client.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
                         client.close()
                         raise KVConnectError(f"store tier: registering {arr.nbytes} bytes of host pool failed")
@@ -218,9 +225,12 @@ class StoreTier(Tier):
             return np.zeros(len(keys), dtype=bool)
         slots = np.asarray(slots, dtype=np.int64)
         names = self._names(keys)
-        self._trailers[slots, 0] = TRAILER_MAGIC
-        self._trailers[slots, 1] = slot_checksums([n.encode() for n in names], self._pool, slots)
-        ok = self._put_batched(names, slots) == 0
+        if self._gather is not None:  # short rows: one buffer per object (store_put)
+            ok = self._gather.put(self._client, names, slots) == 0
+        else:
+            self._trailers[slots, 0] = TRAILER_MAGIC
+            self._trailers[slots, 1] = slot_checksums([n.encode() for n in names], self._pool, slots)
+            ok = self._put_batched(names, slots) == 0
         stored = int(ok.sum())
         self._count("stored", stored, stored * self._pool.page_bytes)
         if stored < len(keys):
@@ -243,13 +253,8 @@ class StoreTier(Tier):
         deadline = time.monotonic() + self.get_timeout_s
         todo = np.flatnonzero(~denied)
         got = np.full(len(keys), NOT_FOUND, dtype=np.int64)
-        per = self._staging.capacity
-        for start in range(0, todo.size, per):
-            part = todo[start:start + per]
-            landed = self._staging.get(client, [names[i] for i in part], slots[part], deadline)
-            if landed is None:
-                break  # abandoned or failed: this part and the rest are misses
-            got[part], ok[part] = landed
+        if todo.size:
+            got[todo], ok[todo] = self._staging.get_many(client, [names[i] for i in todo], slots[todo], deadline)
         bad = np.flatnonzero(~ok & ((got >= 0) | (got == TOO_LARGE)))
         self._count("missed", len(keys) - int(ok.sum()) - bad.size)
         self._count("loaded", int(ok.sum()), int(ok.sum()) * self._pool.page_bytes)
