@@ -1,12 +1,15 @@
 """Prometheus metrics of every kvconnect process, all named `kvconnect_*`.
 
 They live in prometheus_client's default registry of the process that moves the bytes. Under vLLM
-that is the engine-core worker, not the API server, so vLLM's /metrics does not show them: the vLLM
-adapter passes their per-step increments into vLLM's connector stats (its "KV Transfer metrics" log
-line), and `serve(port)` exposes them from any process that calls it.
+that is an engine process, not the API server that serves vLLM's /metrics: the vLLM adapter sends
+them in vLLM's connector stats (counter and histogram increments, gauges' current values) and feeds
+them into these same metrics in the API server (`kvconnect.integrations.vllm.prom`). `serve(port)`
+exposes them from any process that calls it.
 """
 
 from __future__ import annotations
+
+import re
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
@@ -40,6 +43,31 @@ tier_pages = Counter("kvconnect_offload_tier_pages", "Pages through the lower of
 # also ran the process collector (a listing of /proc/self/fd and friends) about a thousand times a
 # second while blocks were held. Derived, so that a metric added above is never left out of snapshot().
 _OURS = tuple(m for m in list(globals().values()) if isinstance(m, MetricWrapperBase))
+
+
+# Each metric by its name (without a counter's `_total`), and its type: "counter", "gauge" or "histogram".
+BY_NAME = {m.describe()[0].name: m for m in _OURS}
+KINDS = {name: m.describe()[0].type for name, m in BY_NAME.items()}
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_sum", "_count", "_bucket")}
+_SAMPLE = re.compile(r"([a-z_]+)(?:\{([^{}]*)\})?")
+
+
+def parse_sample(key: str) -> tuple[MetricWrapperBase, str, dict[str, str]] | None:
+    """A `snapshot()` key as (metric, sample suffix, labels); None unless it names one of our samples exactly."""
+    m = _SAMPLE.fullmatch(key)
+    if not m:
+        return None
+    name, body = m.group(1), m.group(2)
+    for base, metric in BY_NAME.items():
+        suffix = name[len(base):]
+        if name.startswith(base) and suffix in _SUFFIXES[KINDS[base]]:
+            break
+    else:
+        return None
+    pairs = [p.split("=", 1) for p in body.split(",")] if body else []
+    labels = {p[0]: p[1] for p in pairs if len(p) == 2}
+    want = set(metric._labelnames) | ({"le"} if suffix == "_bucket" else set())
+    return (metric, suffix, labels) if len(labels) == len(pairs) and set(labels) == want else None
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:

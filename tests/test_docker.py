@@ -372,3 +372,53 @@ def test_kvstore_compose_shares_one_store_and_publishes_only_the_instances_on_lo
         assert "--enable-prefix-caching" in services[name]["command"]
         assert {k: v["condition"] for k, v in services[name]["depends_on"].items()} == \
             {"kvstore": "service_healthy", "kvstore-node": "service_started"}
+
+
+# ---- monitoring: the Prometheus scrape config and the Grafana dashboard ----
+
+_SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def _exported() -> dict[str, str]:
+    """Every sample name kvconnect exports (engines' metrics and the router's), with its metric's type."""
+    from kvconnect import metrics
+    from kvconnect.proxy.metrics import RouterMetrics
+
+    kinds = dict(metrics.KINDS)
+    kinds.update({f.name: f.type for f in RouterMetrics([]).registry.collect()})
+    return {name + suffix: kind for name, kind in kinds.items() for suffix in _SAMPLE_SUFFIXES[kind]}
+
+
+def _dashboard_queries() -> list[str]:
+    dash = json.loads((DOCKER / "grafana-dashboard.json").read_text())
+    panels = dash["panels"]
+    assert panels and all(p["targets"] for p in panels), "every panel queries something"
+    return [t["expr"] for p in panels for t in p["targets"]]
+
+
+def test_the_dashboard_queries_only_metrics_kvconnect_exports():
+    exported = _exported()
+    named = {n for expr in _dashboard_queries() for n in re.findall(r"\bkvconnect_\w+", expr)}
+    assert named and named <= set(exported), sorted(named - set(exported))
+    # The panels an operator needs first: loads, errors, leases, bytes, the offload tier's hits.
+    assert {"kvconnect_transfer_seconds_count", "kvconnect_failures_total", "kvconnect_transfer_errors_total",
+            "kvconnect_leases_held", "kvconnect_transfer_bytes_total", "kvconnect_offload_hits_total"} <= named
+
+
+def test_the_dashboard_takes_rates_of_counters_and_reads_gauges_as_they_are():
+    exported = _exported()
+    for expr in _dashboard_queries():
+        for name in re.findall(r"\bkvconnect_\w+", expr):
+            if exported[name] == "gauge":
+                assert not re.search(rf"rate\({name}\b", expr), (name, expr)
+            else:
+                assert re.search(rf"rate\({name}\b", expr), f"{name} is a counter: query its rate ({expr})"
+
+
+def test_the_prometheus_config_scrapes_both_engines_and_the_router(base_config: dict):
+    text = (DOCKER / "prometheus.yml").read_text()
+    targets = set(re.findall(r'targets: \["([^"]+)"\]', text))
+    services = base_config["services"]
+    want = {f"{name}:{option(services[name]['command'], '--port')[0]}" for name in ("prefill", "decode", "router")}
+    assert targets == want, (targets, want)
+    assert re.findall(r"metrics_path: (\S+)", text) == ["/metrics", "/metrics"]

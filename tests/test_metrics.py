@@ -94,3 +94,23 @@ def test_metrics_can_be_served_over_http_for_standalone_workers() -> None:
     metrics.serve(port)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvconnect_leases_held" in body and "kvconnect_failures_total" in body
+
+
+def test_every_snapshot_key_parses_back_to_its_metric_and_labels() -> None:
+    metrics.transfer_seconds.labels("nixl").observe(0.01)
+    metrics.tier_pages.labels("disk", "stored").inc(0)
+    snap = metrics.snapshot()
+    assert snap
+    for key in snap:
+        metric, suffix, labels = metrics.parse_sample(key)
+        name = key.split("{", 1)[0]
+        assert name == metric.describe()[0].name + suffix, key
+        assert set(labels) - {"le"} == set(metric._labelnames), key
+
+
+def test_keys_that_name_no_sample_of_ours_do_not_parse() -> None:
+    for key in ("kvconnect_nothing_total", "kvconnect_transfer_bytes_total", "kvconnect_transfer_bytes",
+                "kvconnect_leases_held{x=y}", "kvconnect_leases_held_total", "kvconnect_transfer_bytes_total{backend}",
+                "kvconnect_transfer_seconds_bucket{backend=nixl}", "kvconnect_failures_total{stage=a,stage2=b}",
+                "process_cpu_seconds_total", "kvconnect_transfer_bytes_total{backend=nixl}x"):
+        assert metrics.parse_sample(key) is None, key

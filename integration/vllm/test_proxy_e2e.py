@@ -282,6 +282,36 @@ def test_push_mode_through_the_router_equals_a_single_server(stack):
     wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every pushed block")
 
 
+def _scrape(url: str) -> tuple[dict[str, str], dict[tuple[str, tuple], float]]:
+    """A server's /metrics: kvconnect's families by type, and their samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url + "/metrics", timeout=10)
+    assert r.status_code == 200, r.text
+    families = [f for f in text_string_to_metric_families(r.text) if f.name.startswith("kvconnect_")]
+    return ({f.name: f.type for f in families},
+            {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples})
+
+
+def test_kvconnect_metrics_are_on_each_vllm_servers_metrics_with_their_types(stack):
+    """The engines' counters reach vLLM's own /metrics as counters, the leases gauge as its current value."""
+    prefill, decode, _, pstats, _ = stack
+    types, _ = _scrape(decode.url)
+    assert types.get("kvconnect_transfer_bytes") == "counter" and types.get("kvconnect_failures") == "counter"
+    assert types.get("kvconnect_leases_held") == "gauge" and types.get("kvconnect_transfer_seconds") == "histogram"
+    _, got = _scrape(decode.url)
+    assert got.get(("kvconnect_transfer_bytes_total", (("backend", "nixl"),)), 0) > 0, got
+    assert got.get(("kvconnect_transfer_seconds_count", (("backend", "nixl"),)), 0) > 0, got
+    assert not any(v for (name, _), v in got.items() if name == "kvconnect_failures_total"), got
+    # Every lease prefill handed out was released (earlier tests), and the gauge says so, not -1 nor a sum:
+    # one plain request makes prefill run a step, which reports the gauge's new value.
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to free every block")
+    _completion(prefill.url, "one more step")
+    _, got = wait_for(lambda: (m := _scrape(prefill.url))[1].get(("kvconnect_leases_held", ())) == 0 and m, 60,
+                      "prefill's /metrics to show no lease held")
+    assert sum(v for (name, _), v in got.items() if name == "kvconnect_leases_released_total") > 0, got
+
+
 def test_router_reports_a_dead_decode_instance(stack):
     """Decode killed (last test: it takes the module's decode server down): a 502/503 error body, not a hang."""
     _, decode, router, _, _ = stack

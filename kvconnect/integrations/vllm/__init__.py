@@ -8,7 +8,9 @@ without the plugin.
 Modules: `connectors` (the facades vLLM builds), `pd_scheduler`/`pd_worker` and
 `offload_scheduler`/`offload_worker` (each connector's two halves), `config` (extra config),
 `meta` (scheduler <-> worker messages), `params` (vLLM's kv_transfer_params), `groups` (KV-cache
-groups), `stats` (connector stats and stats files).
+groups), `stats` (connector stats and stats files), `prom` (our metrics on vLLM's /metrics),
+`precheck` (the extra config checked when vLLM first looks a connector up, before any engine starts;
+`register` installs it).
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ _register_lock = threading.Lock()
 
 
 def register() -> None:
-    """Register our connector names with vLLM's KVConnectorFactory; a second call is a no-op."""
+    """Register our connector names and the config precheck with vLLM's KVConnectorFactory; idempotent."""
     global _registered
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvconnect.integrations.vllm import precheck
 
     with _register_lock:
         if _registered:
             return
+        precheck.install(KVConnectorFactory)
         for name in CONNECTOR_NAMES:
             if name in KVConnectorFactory._registry:  # registered by another plugin load in this process
                 continue

@@ -1,11 +1,13 @@
 """`kv_connector_extra_config` of our vLLM connectors, as typed structs checked when vLLM builds them.
 
 Unknown keys, wrong types, non-positive durations and transport options the backend does not take
-are errors naming the connector and the key, raised before the model loads.
+are one-line errors naming the connector and the key: raised when vLLM first looks the connector up,
+before any engine starts (`precheck`), and again when it builds the connector.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
@@ -90,7 +92,15 @@ class OffloadConfig(msgspec.Struct, **_Struct):
 
 def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: str, backend: str = "") -> Any:
     """The connector's extra config as `kind`; ValueError naming the connector and the key otherwise."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return check_extra(vllm_config.kv_transfer_config.kv_connector_extra_config, kind, connector, backend)
+
+
+def check_extra(extra: dict[str, Any] | None, kind: type[msgspec.Struct], connector: str, backend: str = "") -> Any:
+    """`extra` (a kv_connector_extra_config) as `kind`; a one-line ValueError naming the connector and the key."""
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise ValueError(f"{connector}: kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    extra = dict(extra)
     for old, new in RENAMED.items():
         if old in extra:
             raise ValueError(f"{connector}: kv_connector_extra_config[{old!r}] was renamed {new!r}")
@@ -98,7 +108,7 @@ def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: s
         cfg = msgspec.convert(extra, kind, strict=True)
     except msgspec.ValidationError as exc:
         keys = ", ".join(kind.__struct_fields__)
-        raise ValueError(f"{connector}: kv_connector_extra_config: {exc} (keys: {keys})") from None
+        raise ValueError(f"{connector}: kv_connector_extra_config{_where(str(exc))} (keys: {keys})") from None
     try:
         if isinstance(cfg, PDConfig):
             if cfg.layerwise and cfg.mode != "push":
@@ -112,6 +122,14 @@ def read_extra(vllm_config: VllmConfig, kind: type[msgspec.Struct], connector: s
     except (ValueError, KVConnectError) as exc:
         raise ValueError(f"{connector}: kv_connector_extra_config: {exc}") from None
     return cfg
+
+
+def _where(msg: str) -> str:
+    """msgspec's message with the key in front: "['port']: Expected `int`, got `str`", ": unknown field `lease`"."""
+    m = re.fullmatch(r"(.*?)(?: - at `\$(.*)`)?", msg)
+    what, path = m.group(1), re.sub(r"\.([A-Za-z_]\w*)", r"['\1']", m.group(2) or "")
+    unknown = re.fullmatch(r"Object contains unknown field `([^`]*)`", what)
+    return f"{path}: unknown field `{unknown.group(1)}`" if unknown else f"{path}: {what}"
 
 
 def kv_role(vllm_config: VllmConfig, connector: str) -> str:

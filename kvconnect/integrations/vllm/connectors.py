@@ -27,6 +27,7 @@ from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import OffloadConfig, PDConfig, kv_role, read_extra
 from kvconnect.integrations.vllm.groups import kv_groups
 from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
+from kvconnect.integrations.vllm.offload_tp import rank_shards, split_check
 from kvconnect.integrations.vllm.offload_worker import OffloadWorker
 from kvconnect.integrations.vllm.pd_scheduler import PDSchedulerBase
 from kvconnect.integrations.vllm.pd_worker import PDWorkerBase
@@ -34,7 +35,8 @@ from kvconnect.integrations.vllm.pull_scheduler import PullScheduler
 from kvconnect.integrations.vllm.pull_worker import PullWorker
 from kvconnect.integrations.vllm.push_scheduler import PushScheduler
 from kvconnect.integrations.vllm.push_worker import LayerwisePushWorker, PushWorker
-from kvconnect.integrations.vllm.stats import KVConnectStats
+from kvconnect.integrations.vllm.prom import KVConnectProm
+from kvconnect.integrations.vllm.stats import KVConnectStats, scheduler_stats
 from kvconnect.integrations.vllm.tiers import tier_namespace
 from kvconnect.integrations.vllm.tp import layer_shards, tp_rank, tp_size
 
@@ -88,11 +90,16 @@ class _Facade(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_kv_caches(kv_caches)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return None if self.worker is None else self.worker.stats()
+        return scheduler_stats() if self.worker is None else self.worker.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVConnectStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectProm:
+        return KVConnectProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output.num_scheduled_tokens)
@@ -185,16 +192,16 @@ class KVConnectMooncake(_PDConnector):
 
 
 class KVConnectOffload(_Facade):
-    """A host-memory KV tier: finished requests' full blocks are stored, prefix hits are loaded back."""
+    """A host-memory KV tier: finished requests' full blocks are stored, prefix hits are loaded back.
+
+    With tensor parallelism every rank keeps its own shard of each block (see `offload_scheduler`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config, role, kv_cache_config)
         name = type(self).__name__
         config = read_extra(vllm_config, OffloadConfig, name)
         tp = tp_size(vllm_config, name)
-        if tp > 1:
-            # Each rank holds its own heads: one content key would name a different shard on every rank.
-            raise ValueError(f"{name}: tensor_parallel_size > 1 is not supported by the offload tier yet")
         groups = kv_groups(kv_cache_config)
         if groups.prefill_backoff:
             # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching
@@ -210,13 +217,20 @@ class KVConnectOffload(_Facade):
         if num_slots == 0:
             raise ValueError(f"{name}: a tier of {config.capacity_bytes} bytes cannot hold one block ({slot_bytes} bytes)")
         namespace = tier_namespace(vllm_config, config.salt)
+        # Each rank holds its own heads of a block: its pages go below under its own shard's keys.
+        layout, total_heads = _layout(vllm_config, kv_cache_config), int(vllm_config.model_config.get_total_num_kv_heads())
+        shards = rank_shards(kv_cache_config, total_heads, layout, tp)
         try:
             if role == KVConnectorRole.SCHEDULER:
                 self.scheduler = OffloadScheduler(config, block_size=int(vllm_config.cache_config.block_size),
-                                                  num_slots=num_slots, slot_bytes=slot_bytes, namespace=namespace)
+                                                  num_slots=num_slots, slot_bytes=slot_bytes, namespace=namespace,
+                                                  shards=shards)
             else:
+                rank = tp_rank()
                 self.worker = OffloadWorker(num_slots=num_slots, slot_bytes=slot_bytes, timeout_s=config.timeout_s,
-                                            connector=name, tiers=config.tiers, namespace=namespace)
+                                            connector=name, tiers=config.tiers, namespace=namespace, tp=tp,
+                                            rank=rank, shard=shards[rank],
+                                            check_split=split_check(kv_cache_config, total_heads, layout, name))
         except KVConnectError as exc:  # a tier directory that cannot be written, a missing package
             raise ValueError(f"{name}: kv_connector_extra_config['tiers']: {exc}") from exc
 
