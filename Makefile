@@ -76,3 +76,27 @@ $(E2E_ROUTER_STAMP): | $(E2E_STAMP)
 
 e2e: e2e-venv
 	$(E2E_PY) -m pytest -q -p no:cacheprovider --durations=10 integration/vllm
+
+# ---- SGLang end to end (sglang 0.5.23 on CPU) in its own virtualenv: `make e2e-sglang` ----
+# kvconnect as SGLang's transfer backend (`--disaggregation-transfer-backend kvconnect-mooncake` or
+# `kvconnect-nixl`). The pins, the CPU stub of sgl_kernel and the torchvision guard SGLang needs on a
+# CPU-only host are under integration/sglang/.
+SGL_VENV := .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.installed
+SGL_FILES := integration/sglang/setup_venv.sh integration/sglang/requirements-cpu.lock \
+	$(wildcard integration/sglang/cpu_shim/*.toml integration/sglang/cpu_shim/*/*.py)
+
+.PHONY: e2e-sglang-venv e2e-sglang
+
+e2e-sglang-venv: $(SGL_STAMP)
+
+$(SGL_STAMP): pyproject.toml $(SGL_FILES) | sysdeps
+	PYTHON=$(PYTHON) TORCH_INDEX=$(TORCH_INDEX) bash integration/sglang/setup_venv.sh $(SGL_VENV)
+	@touch $@
+
+# Its own --basetemp: the tests read the servers' logs, which pytest runs of other suites must not rotate away.
+SGL_TMP ?= /tmp/kvconnect-sglang-e2e
+
+e2e-sglang: e2e-sglang-venv
+	$(SGL_PY) -m pytest -q -p no:cacheprovider --durations=10 --basetemp=$(SGL_TMP) integration/sglang

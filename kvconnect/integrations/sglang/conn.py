@@ -1,0 +1,68 @@
+"""The classes SGLang asks `get_kv_class` for, per kvconnect transport: manager, sender, receiver,
+bootstrap server (SGLang's own)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVReceiver, CommonKVSender
+from sglang.srt.disaggregation.utils import KVClassType
+
+from kvconnect.integrations.sglang.manager import KVConnectManager
+from kvconnect.integrations.sglang.prefill_side import lease_id
+
+
+class KVConnectSender(CommonKVSender):
+    """SGLang's sender; its status comes from the manager's kvconnect lease."""
+
+    # Plain numpy page indices: no pinned host copy, no device event (kvconnect reads host memory).
+    supports_host_tensor_indices = False
+
+    def poll(self) -> KVPoll:
+        """SGLang's poll, after the manager turned finished leases into statuses."""
+        self.kv_mgr.pump()
+        return super().poll()
+
+    def abort(self) -> None:
+        """Fail the request and release its lease (a decode reading it is refused from now on)."""
+        super().abort()
+        self.kv_mgr.connector.abort(lease_id(self.bootstrap_room))
+
+    def clear(self) -> None:
+        """SGLang's clear, and the chunks collected for the room."""
+        self.kv_mgr.forget_room(self.bootstrap_room)
+        super().clear()
+
+
+class KVConnectReceiver(CommonKVReceiver):
+    """SGLang's receiver; its status comes from the manager's kvconnect load."""
+
+    def poll(self) -> KVPoll:
+        """SGLang's poll, after the manager turned finished loads into statuses."""
+        self.kv_mgr.pump()
+        return super().poll()
+
+    def abort(self) -> None:
+        """Tell the prefill (SGLang's abort frame) and fail a running load."""
+        super().abort()
+        self.kv_mgr.abort_load(self.bootstrap_room)
+
+    def clear(self) -> None:
+        """SGLang's clear, and the pages remembered for the room."""
+        if self.conclude_state != KVPoll.Success:
+            self.kv_mgr.abort_load(self.bootstrap_room)
+        super().clear()
+
+
+class KVConnectBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server, unchanged: decode learns from it where the prefill ranks are."""
+
+
+@functools.cache
+def classes(transport: str) -> dict[Any, type]:
+    """SGLang's KV classes for one kvconnect transport (`mooncake` or `nixl`)."""
+    manager = type(f"KVConnect{transport.title()}Manager", (KVConnectManager,), {"transport": transport})
+    return {KVClassType.MANAGER: manager, KVClassType.SENDER: KVConnectSender,
+            KVClassType.RECEIVER: KVConnectReceiver, KVClassType.BOOTSTRAP_SERVER: KVConnectBootstrapServer}

@@ -1,0 +1,103 @@
+"""The kvconnect SGLang KV manager: SGLang's CommonKVManager for the bootstrap, kvconnect for the pages.
+
+One manager per scheduler process (per TP rank). It registers SGLang's buffers with a
+`KVConnector` (a producer on a prefill server, a consumer on a decode server) and serves its
+half's control frames on SGLang's ZMQ socket. Senders and receivers call `pump()` when SGLang polls
+them: it turns the connector's finished leases and loads into SGLang statuses.
+
+Settings (environment, read once per server): `KVCONNECT_SGLANG_LEASE_S` (how long a prefill holds
+a finished request's pages for its decode to claim them, default 30), `KVCONNECT_SGLANG_LOAD_TIMEOUT_S`
+(a decode's whole load, default 60), `KVCONNECT_SGLANG_HANDSHAKE_TIMEOUT_S` (default 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any, Callable
+
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from kvconnect.config import ConnectorConfig
+from kvconnect.connector import KVConnector
+from kvconnect.errors import KVConnectError
+from kvconnect.integrations.sglang import buffers, frames
+from kvconnect.integrations.sglang.decode_side import DecodeSide
+from kvconnect.integrations.sglang.prefill_side import PrefillSide
+
+log = logging.getLogger(__name__)
+
+_SETTINGS = {"lease_s": ("KVCONNECT_SGLANG_LEASE_S", 30.0),
+             "load_timeout_s": ("KVCONNECT_SGLANG_LOAD_TIMEOUT_S", 60.0),
+             "handshake_timeout_s": ("KVCONNECT_SGLANG_HANDSHAKE_TIMEOUT_S", 5.0)}
+
+
+def settings(env: dict[str, str] | None = None) -> dict[str, float]:
+    """The connector's deadlines from the environment (KVConnectError naming a bad variable)."""
+    env = os.environ if env is None else env
+    out = {}
+    for key, (var, default) in _SETTINGS.items():
+        try:
+            out[key] = float(env.get(var, default))
+        except ValueError:
+            raise KVConnectError(f"{var} must be a number of seconds, got {env[var]!r}") from None
+    return out
+
+
+class KVConnectManager(PrefillSide, DecodeSide, CommonKVManager):
+    """SGLang's KV manager with kvconnect's data path; `transport` is set per backend name."""
+
+    transport = "mooncake"
+    kv_status_msg_tag = frames.STATUS
+    kv_status_msg_carries_reason = True
+    supports_deferred_decode_kv_release = False
+
+    def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: bool | None = False):
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        self._stopped = False
+        self._pump_lock = threading.Lock()
+        self.prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        held = buffers.from_kv_args(args, str(server_args.device))
+        role = "producer" if self.prefill else "consumer"
+        config = ConnectorConfig(engine_id=f"sglang-{role}-{uuid.uuid4().hex[:12]}", role=role,
+                                 backend=self.transport, host=self.local_ip, block_size=int(args.page_size),
+                                 groups=list(held.groups), **settings())
+        self.connector = KVConnector(config)
+        self.connector.register_kv_caches(held.tensors)
+        self.held = held
+        log.info("kvconnect sglang %s: %d regions (%d bytes) over %s, engine %s", role, len(self.connector.regions),
+                 self.connector.regions.total_bytes, self.transport, config.engine_id)
+        if self.prefill:
+            self._start_prefill()
+        else:
+            self._start_decode()
+
+    def _serve(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Read SGLang's socket until stopped; a frame that breaks its handler is logged, never fatal."""
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:
+                log.exception("kvconnect sglang: a control frame failed")
+
+    def pump(self) -> None:
+        """Turn finished leases (prefill) or loads (decode) into statuses; one caller at a time, never waits."""
+        if not self._pump_lock.acquire(blocking=False):
+            return
+        try:
+            self._pump_prefill() if self.prefill else self._pump_decode()
+        finally:
+            self._pump_lock.release()
+
+    def teardown(self) -> None:
+        """Stop serving and close the connector (transport last)."""
+        self._stopped = True
+        self.connector.close()
