@@ -239,3 +239,22 @@ def test_a_push_worker_writes_pushed_holds_and_holds_the_others() -> None:
                                          HoldOrder(request_id="q", block_ids=[[3]], num_tokens=16)]))
     assert ("push", "k2", "p", False) in core.calls and ("hold", "q") in core.calls
     assert w.results().failed_recving == {"d"}  # the offer the core refused
+
+
+
+def test_the_stats_file_shows_the_workers_leases_held_now_not_a_sum_of_steps(monkeypatch) -> None:
+    """Workers report the gauge as each process's current value; the scheduler shows their latest values' sum."""
+    from kvconnect.integrations.vllm.stats import KVConnectStats
+
+    s = _scheduler(PullScheduler, monkeypatch)
+
+    def step(**data):
+        s.update_connector_output(SimpleNamespace(finished_recving=None, finished_sending=None,
+                                                  kv_connector_stats=KVConnectStats(data=data)))
+        return s.stats()
+
+    assert step(**{"kvconnect_leases_held@h:1": 2.0, "loads_ok": 1})["worker_leases_held"] == 2
+    assert step(**{"kvconnect_leases_held@h:2": 1.0})["worker_leases_held"] == 3  # another rank's process
+    got = step(**{"kvconnect_leases_held@h:1": 0.0, "loads_ok": 2})
+    assert got["worker_leases_held"] == 1 and got["loads_ok"] == 3
+    assert step()["worker_leases_held"] == 1  # a step with nothing changed keeps the last values

@@ -21,7 +21,7 @@ from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.groups import Groups
 from kvconnect.integrations.vllm.meta import HoldOrder, KVConnectHandshake, KVConnectMeta
 from kvconnect.integrations.vllm.params import wants_identity, wants_remote_decode
-from kvconnect.integrations.vllm.stats import StatsFile
+from kvconnect.integrations.vllm.stats import AT, StatsFile
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvconnect.vllm")
 
-# Worker counters (reported through vLLM's connector stats) that the stats file shows, by the name it uses.
-_WORKER_KEYS = {"kvconnect_leases_held": "worker_leases_held", "loads_ok": "loads_ok", "loads_failed": "loads_failed",
-                "layers_streamed": "layers_streamed"}
+# Worker counts (increments in vLLM's connector stats) that the stats file shows, by the name it uses.
+_WORKER_KEYS = {"loads_ok": "loads_ok", "loads_failed": "loads_failed", "layers_streamed": "layers_streamed"}
+# Worker gauges: each worker process reports its current value as `name@source`; the file shows their sum.
+_WORKER_GAUGES = {"kvconnect_leases_held": "worker_leases_held"}
 
 Held = tuple[list[list[int]], int, float]  # a held prompt's block ids, tokens, hold time
 
@@ -56,6 +57,7 @@ class PDSchedulerBase:
         self._sending: dict[str, int] = {}  # request -> blocks vLLM keeps for it until finished_sending
         self._counters = {"handed_out": 0, "released": 0}
         self._worker: dict[str, float] = {}  # what the workers reported, summed (their leases, their loads)
+        self._gauges: dict[str, dict[str, float]] = {}  # worker gauge -> {its process: latest value}
         self._stats_file = StatsFile(config.stats_path)
 
     # ---- the mode's hooks ----
@@ -189,6 +191,11 @@ class PDSchedulerBase:
         for key, name in _WORKER_KEYS.items():
             if key in worker:
                 self._worker[name] = self._worker.get(name, 0) + worker[key]
+        for key, value in worker.items():
+            gauge, _, src = key.partition(AT)
+            if src and gauge in _WORKER_GAUGES:
+                self._gauges.setdefault(gauge, {})[src] = value
+                self._worker[_WORKER_GAUGES[gauge]] = sum(self._gauges[gauge].values())
         self._stats_file.write(self.stats())
 
     def stats(self) -> dict[str, int]:
