@@ -100,3 +100,12 @@ SGL_TMP ?= /tmp/kvconnect-sglang-e2e
 
 e2e-sglang: e2e-sglang-venv
 	$(SGL_PY) -m pytest -q -p no:cacheprovider --durations=10 --basetemp=$(SGL_TMP) integration/sglang
+
+# Time to first token through sglang_router, kvconnect's backends against SGLang's own Mooncake backend,
+# one prefill + decode set at a time: `make bench-sglang BENCH_SGLANG_ARGS="--rounds 9"`.
+BENCH_SGLANG_ARGS ?=
+
+.PHONY: bench-sglang
+
+bench-sglang: e2e-sglang-venv
+	$(SGL_PY) integration/sglang/ttft_vs_mooncake.py $(BENCH_SGLANG_ARGS)

@@ -134,12 +134,14 @@ def sglang(name: str, model: Path, logdir: Path, extra: list[str], env: dict | N
 class PDSet:
     """A prefill and a decode server with one transfer backend, behind sglang_router's mini load balancer."""
 
-    def __init__(self, model: Path, logdir: Path, backend: str, env: dict | None = None, tag: str = ""):
-        """`tag` prefixes the servers' log names (a second set with the same backend keeps its own logs)."""
+    def __init__(self, model: Path, logdir: Path, backend: str, env: dict | None = None, tag: str = "",
+                 extra: list[str] | None = None):
+        """`tag` prefixes the servers' log names (a second set with the same backend keeps its own logs);
+        `extra` flags go to both servers."""
         self.backend, self.logdir, self.servers = backend, logdir, []
         name = f"{tag}{backend}"
         self.bootstrap = free_port()
-        pd = ["--disaggregation-transfer-backend", backend]
+        pd = ["--disaggregation-transfer-backend", backend, *(extra or [])]
         try:
             self.prefill, self.prefill_url = self._add(sglang(f"prefill-{name}", model, logdir, pd + [
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)], env))
