@@ -74,6 +74,17 @@ def keys_of(n: int, seed: int = 0) -> list[bytes]:
     return block_keys(np.random.default_rng(seed).integers(0, 30000, n * TOKENS), TOKENS)
 
 
+def written_by_both_ranks(where: tuple[str, str], seed: int) -> tuple[list[bytes], np.ndarray, list[np.ndarray]]:
+    """Both ranks of a TP-2 engine write four blocks below and close: (keys, slots, each rank's pages)."""
+    keys, slots = keys_of(4, seed=seed), np.arange(4)
+    ranks = [Rank(where, r, seed=10 * seed + r) for r in range(2)]
+    written = [r.pages(slots) for r in ranks]
+    for r in ranks:
+        r.write_down(keys, slots)
+        r.close()
+    return keys, slots, written
+
+
 @pytest.fixture(params=["disk", "store"])
 def where(request, tmp_path):
     """("disk", directory) or ("store", master address of a real Mooncake Store)."""
@@ -102,12 +113,7 @@ def test_shard_ids_differ_per_rank_tp_size_and_split_and_are_empty_at_tp1():
 
 
 def test_each_rank_is_served_its_own_shard_after_a_restart_and_never_another_ranks(where):
-    keys, slots = keys_of(4, seed=1), np.arange(4)
-    ranks = [Rank(where, r, seed=10 + r) for r in range(2)]
-    written = [r.pages(slots) for r in ranks]
-    for r in ranks:
-        r.write_down(keys, slots)
-        r.close()
+    keys, slots, written = written_by_both_ranks(where, seed=1)
     assert not np.array_equal(written[0], written[1])
     # A restart on the same directory (a new store client): fresh, zeroed pools.
     ranks = [Rank(where, r) for r in range(2)]
@@ -140,12 +146,7 @@ def test_a_block_is_held_below_only_where_every_rank_wrote_it(where):
 
 def test_a_tp1_engine_on_the_same_disk_directory_neither_reads_nor_evicts_tp2_shards(tmp_path):
     where = ("disk", str(tmp_path / "kv-disk"))
-    keys, slots = keys_of(4, seed=3), np.arange(4)
-    ranks = [Rank(where, r, seed=30 + r) for r in range(2)]
-    written = [r.pages(slots) for r in ranks]
-    for r in ranks:
-        r.write_down(keys, slots)
-        r.close()
+    keys, slots, written = written_by_both_ranks(where, seed=3)
     solo = Rank(where, 0, tp=1)
     try:
         assert not solo.fetch(keys, slots).any()
