@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -20,6 +20,17 @@ def _pattern(nbytes: int) -> torch.Tensor:
     # A prime period, so no page-aligned copy mistake reproduces it; built by repetition, not arithmetic.
     period = torch.arange(251, dtype=torch.uint8)
     return period.repeat(-(-nbytes // 251))[:nbytes].clone()
+
+
+def _best_seconds(once: Callable[[], None], repeat: int) -> float:
+    """The shortest of `repeat` timed calls of `once`, after one untimed warm-up."""
+    once()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class RawSide:
@@ -64,16 +75,7 @@ class RawSide:
         local = self.agent.get_xfer_descs(self._row, "DRAM")
         far = self.agent.get_xfer_descs(np.array([[remote["addr"], self.nbytes, 0]], dtype=np.uint64), "DRAM")
         self._handle = self.agent.initialize_xfer("READ", local, far, self._remote)
-        best = float("inf")
-        for i in range(repeat + 1):
-            t0 = time.perf_counter()
-            state = self.agent.transfer(self._handle)
-            while state == "PROC":
-                state = self.agent.check_xfer_state(self._handle)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in {state}")
-            if i:
-                best = min(best, time.perf_counter() - t0)
+        best = _best_seconds(lambda: self._nixl_read(self._handle, "READ"), repeat)
         if not torch.equal(self.buf, _pattern(self.nbytes)):
             raise RuntimeError("raw NIXL READ delivered different bytes")
         return self.nbytes / best / 1e9
@@ -115,36 +117,30 @@ class RawSide:
         far_rows = np.stack([far + remote["addr"], sizes, zeros], axis=1).astype(np.uint64)
         handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(rows, "DRAM"),
                                             self.agent.get_xfer_descs(far_rows, "DRAM"), self._remote)
-        best = float("inf")
         try:
-            for i in range(repeat + 1):
-                t0 = time.perf_counter()
-                state = self.agent.transfer(handle)
-                while state == "PROC":
-                    state = self.agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise RuntimeError(f"raw NIXL READ of entries ended in {state}")
-                if i:
-                    best = min(best, time.perf_counter() - t0)
+            return _best_seconds(lambda: self._nixl_read(handle, "READ of entries"), repeat)
         finally:
             self.agent.release_xfer_handle(handle)
-        return best
+
+    def _nixl_read(self, handle: Any, what: str) -> None:
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {what} ended in {state}")
 
     def _mooncake_entries(self, remote: dict[str, Any], local: np.ndarray, far: np.ndarray, sizes: np.ndarray,
                           batch: int, repeat: int) -> float:
         base = self.buf.data_ptr()
         batches = [((local[i:i + batch] + base).tolist(), (far[i:i + batch] + remote["addr"]).tolist(),
                     sizes[i:i + batch].tolist()) for i in range(0, len(sizes), batch)]
-        best = float("inf")
-        for i in range(repeat + 1):
-            t0 = time.perf_counter()
-            for mine, theirs, lengths in batches:
-                rc = self.engine.batch_transfer_sync_read(remote["session"], mine, theirs, lengths)
-                if rc != 0:
-                    raise RuntimeError(f"raw Mooncake READ of entries returned {rc}")
-            if i:
-                best = min(best, time.perf_counter() - t0)
-        return best
+        return _best_seconds(lambda: self._mooncake_read(remote["session"], batches, "READ of entries"), repeat)
+
+    def _mooncake_read(self, session: str, batches: list[tuple[list[int], list[int], list[int]]], what: str) -> None:
+        for mine, theirs, lengths in batches:
+            rc = self.engine.batch_transfer_sync_read(session, mine, theirs, lengths)
+            if rc != 0:
+                raise RuntimeError(f"raw Mooncake {what} returned {rc}")
 
     def close(self) -> None:
         """Release in the backend's order (NIXL: handle, remote agent, registration, agent)."""
@@ -181,15 +177,8 @@ class RawSide:
         self._registered = True
 
     def _mooncake_read_gbps(self, remote: dict[str, Any], repeat: int) -> float:
-        local = [self.buf.data_ptr()]
-        best = float("inf")
-        for i in range(repeat + 1):
-            t0 = time.perf_counter()
-            rc = self.engine.batch_transfer_sync_read(remote["session"], local, [remote["addr"]], [self.nbytes])
-            if rc != 0:
-                raise RuntimeError(f"raw Mooncake READ returned {rc}")
-            if i:
-                best = min(best, time.perf_counter() - t0)
+        whole = [([self.buf.data_ptr()], [remote["addr"]], [self.nbytes])]
+        best = _best_seconds(lambda: self._mooncake_read(remote["session"], whole, "READ"), repeat)
         if not torch.equal(self.buf, _pattern(self.nbytes)):
             raise RuntimeError("raw Mooncake READ delivered different bytes")
         return self.nbytes / best / 1e9
