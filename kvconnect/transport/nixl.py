@@ -311,7 +311,9 @@ class NixlTransport(Transport):
                 _unfinished.append(self._agent)
             else:
                 self._undo_register()
-            self._agent = None
+            # Every reference goes now, so that the agent and its threads end here and not during interpreter
+            # finalization, where NIXL's teardown can abort the process ("terminate called ...").
+            self._agent = self._agents = None
         finally:
             self._lock.release()
 
