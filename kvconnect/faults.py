@@ -56,6 +56,7 @@ class FaultyTransport(Transport):
         self.fail_poll_after = fail_poll_after
         self.delay_s = delay_s
         self.posted = 0
+        self.last_posted: object | None = None  # the inner transport's handle of the latest post
         self._clock = clock
 
     def register(self, regions: RegionSet) -> None:
@@ -84,6 +85,7 @@ class FaultyTransport(Transport):
             raise TransferError(f"injected post failure ({getattr(op, 'op', op)} with {peer_id})")
         handle = _Handle(self.inner.post(op, peer_id, local_ids, remote_ids, regions=regions), self._clock())
         self.posted += 1
+        self.last_posted = handle.inner
         return handle
 
     def failure_kind(self, handle: object) -> str:

@@ -21,6 +21,7 @@ from conftest import PRODUCER_SEED, assert_pulled, byte_rows, real_transport, sn
 from kvconnect import KVConnectError, wire
 from kvconnect.faults import FaultyTransport, HostileListener, stalled
 from kvconnect.pd.failure import Stage
+from kvconnect.transport.base import TransferState
 from kvconnect.sidechannel import fetch_metadata
 from pd_peer import make_caches
 
@@ -171,16 +172,15 @@ def test_an_aborted_read_lands_nothing_in_blocks_the_engine_reuses(producers, co
     first = producer.hold("first", [local], tokens=4096 * 16)
     second = producer.hold("second", [reverse], tokens=4096 * 16)
     conn.start_load(first, [local])
-    deadline = time.monotonic() + 20
-    while not transport.posted and time.monotonic() < deadline:
-        time.sleep(0.0005)
+    _posted(transport, inside_mooncake=backend == "mooncake")
     with stalled(producer.pid):
         conn.abort("first")
         early = _reported(conn, "first", within_s=3.0)
-    if backend == "mooncake":
-        # A batch inside Mooncake cannot be recalled: reporting it while the peer was stopped would let
-        # the engine reuse blocks the batch may still write.
-        assert early is None, "an abort was reported while its batch could still land"
+        if backend == "mooncake":
+            # A batch inside Mooncake cannot be recalled: reporting it while the peer was stopped would let
+            # the engine reuse blocks the batch may still write.
+            assert transport.last_posted.state is TransferState.PENDING, "the batch ended with its peer stopped"
+            assert early is None, "an abort was reported while its batch could still land"
     res = early or wait_for(conn, ["first"], timeout=90.0)
     assert res.failed["first"].stage == "abort"
     conn.start_load(second, [local])  # the same blocks, reused for another request once reported
@@ -188,6 +188,21 @@ def test_an_aborted_read_lands_nothing_in_blocks_the_engine_reuses(producers, co
     want = byte_rows(make_caches("big", 4096, PRODUCER_SEED)[0], conn)[0][reverse]
     assert bool((byte_rows(caches, conn)[0][local] == want).all()), "bytes of the aborted READ landed late"
     assert producer.held_blocks() == 0
+
+
+def _posted(transport: FaultyTransport, inside_mooncake: bool) -> None:
+    """Wait for the first post; with `inside_mooncake`, until a batch of it is inside Mooncake.
+
+    A queued transfer whose first batch has not started can be cancelled at once, and is reported
+    at once: only a batch inside the library makes an early report wrong.
+    """
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        xfer = transport.last_posted
+        if xfer is not None and (not inside_mooncake or xfer.running):
+            return
+        time.sleep(0.0005)
+    raise AssertionError(f"no transfer in flight within 20 s: {transport.last_posted!r}")
 
 
 def _reported(conn, handle: str, within_s: float):
