@@ -19,6 +19,7 @@ environment says each side runs.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import select
 import shlex
@@ -217,7 +218,7 @@ class Channel:
         """Whether a receive would find bytes (or the end of the connection) within `timeout`."""
         if self._buf:
             return True
-        return bool(select.select([self.sock], [], [], timeout)[0])
+        return self._wait_readable(timeout)
 
     def recv(self, timeout: float, what: str) -> Frame:
         """The next frame; TimeoutError if none arrives within `timeout`, ConnectionError at end of stream."""
@@ -241,7 +242,7 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"control connection still open after {timeout} s")
-            if select.select([self.sock], [], [], left)[0]:
+            if self._wait_readable(left):
                 try:
                     if not self.sock.recv(65536):
                         return
@@ -252,10 +253,16 @@ class Channel:
         """Close the socket."""
         self.sock.close()
 
+    def _wait_readable(self, timeout: float) -> bool:
+        # poll, not select: a test process holding over 1024 descriptors is not an error.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
     def _fill(self, n: int, deadline: float, timeout: float, what: str) -> None:
         while len(self._buf) < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+            if left <= 0 or not self._wait_readable(left):
                 raise TimeoutError(f"no {what} on the control connection within {timeout} s")
             chunk = self.sock.recv(1 << 16)
             if not chunk:
