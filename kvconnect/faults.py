@@ -45,16 +45,19 @@ class FaultyTransport(Transport):
 
     Knobs (plain attributes, so a test can change them between calls): `fail_posts` makes the next N
     posts raise TransferError (-1: every post); `fail_poll_after` makes polls past the Nth of a handle
-    read FAILED; `delay_s` makes transfers read PENDING for that long after posting.
+    read FAILED; `delay_s` makes transfers read PENDING for that long after posting (and, with
+    `delay_outlives_cancel`, even once cancelled: a transfer the library cannot recall).
     """
 
     def __init__(self, inner: Transport, *, fail_posts: int = 0, fail_poll_after: int | None = None,
-                 delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+                 delay_s: float = 0.0, delay_outlives_cancel: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.inner = inner
         self.name, self.label = inner.name, inner.label
         self.fail_posts = fail_posts
         self.fail_poll_after = fail_poll_after
         self.delay_s = delay_s
+        self.delay_outlives_cancel = delay_outlives_cancel
         self.posted = 0
         self.last_posted: object | None = None  # the inner transport's handle of the latest post
         self._clock = clock
@@ -103,9 +106,10 @@ class FaultyTransport(Transport):
         return self.inner.poll(h.inner)
 
     def cancel(self, handle: object) -> None:
-        """Delegated; the injected delay ends with it."""
+        """Delegated; the injected delay ends with it unless `delay_outlives_cancel`."""
         h = _unwrap(handle)
-        h.posted_at = -float("inf")
+        if not self.delay_outlives_cancel:
+            h.posted_at = -float("inf")
         self.inner.cancel(h.inner)
 
     def release(self, handle: object) -> None:

@@ -106,3 +106,32 @@ def test_a_page_digest_changes_with_any_byte_of_the_request_and_no_other() -> No
     kv_b[3][6, 1, 3] = 0.0
     aux_b[0][3, 7] = 1  # its aux row
     assert pages_digest(a, pages, 3) != pages_digest(b, pages, 3)
+
+
+@pytest.mark.parametrize("enabled, timeout_s, load_timeout_s, refused", [
+    (True, 90.0, 60.0, None),
+    (True, 60.0, 60.0, None),                 # SGLang's timer starts at the abort, after the load's deadline did
+    (False, 90.0, 60.0, "_RELEASE is off"),   # pages handed on at once while a READ may land
+    (True, 30.0, 60.0, "shorter than"),       # SGLang's default timeout under kvconnect's default deadline
+    (True, float("nan"), 60.0, "shorter than"),
+])
+def test_decode_refuses_sglang_settings_that_free_pages_under_a_read(enabled, timeout_s, load_timeout_s,
+                                                                       refused) -> None:
+    from kvconnect.integrations.sglang.deferral import problem
+
+    why = problem(enabled, timeout_s, load_timeout_s)
+    assert (why is None) if refused is None else (refused in why), why
+
+
+@pytest.mark.parametrize("configured_s, explicit, timeout_s, used_s", [
+    (60.0, False, 30.0, 24.0),   # both defaults: the load ends well inside SGLang's 30 s
+    (60.0, False, 90.0, 60.0),   # a long SGLang timeout leaves the default alone
+    (60.0, True, 30.0, 60.0),    # the operator's own deadline is kept (and then refused: see above)
+])
+def test_decode_load_deadline_defaults_inside_sglangs_release_timeout(configured_s, explicit, timeout_s,
+                                                                      used_s) -> None:
+    from kvconnect.integrations.sglang.deferral import load_timeout, problem
+
+    used = load_timeout(configured_s, explicit, timeout_s)
+    assert used == pytest.approx(used_s)
+    assert (problem(True, timeout_s, used) is None) == (used <= timeout_s)

@@ -25,7 +25,9 @@ VOCAB = 32000
 START_S = 600.0  # a prefill + decode pair starts in about 80 s on two cores; far more when they are shared
 REQUEST_S = 300.0
 ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONWARNINGS": "ignore",
-       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       # kvconnect's decode refuses a deferred KV release timeout shorter than its load deadline (60 s).
+       "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "90"}
 COMMON = ["--device", "cpu", "--host", "127.0.0.1", "--dtype", "float16", "--max-total-tokens", "8192",
           "--disable-overlap-schedule", "--chunked-prefill-size", "256"]
 

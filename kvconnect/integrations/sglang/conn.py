@@ -49,6 +49,11 @@ class KVConnectReceiver(CommonKVReceiver):
         super().abort()
         self.kv_mgr.abort_load(self.bootstrap_room)
 
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """SGLang's notice before it holds a failed request's pages: cancel the load it waits on, if one runs."""
+        super().ensure_abort_notified(force_arm=force_arm)
+        self.kv_mgr.abort_load(self.bootstrap_room)
+
     def clear(self) -> None:
         """SGLang's clear, and the pages remembered for the room."""
         if self.conclude_state != KVPoll.Success:

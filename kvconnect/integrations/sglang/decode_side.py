@@ -5,14 +5,14 @@ the pages and aux row it allocated stay here, by room. When the params arrive th
 (`KVConnector.start_load`: handshake, claim, READs, done notice, all bounded); its result sets the
 room's status. A load that cannot start releases the prefill's lease at once.
 
-Fault injection: `KVCONNECT_SGLANG_FAULT_LOAD_DELAY_S` makes the decode wait that long between
-receiving a request's params and reading it (a prefill can then die in between, as in the e2e).
+An aborted or failed request's pages go back to SGLang only once its load ended: SGLang holds them
+(its deferred KV release, see `deferral`) until `is_abort_release_safe` says kvconnect reported the
+load finished or failed, which it does only once nothing more can land in them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -23,7 +23,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from kvconnect import wire
 from kvconnect.errors import KVConnectError
-from kvconnect.integrations.sglang import digest, frames
+from kvconnect.integrations.sglang import digest, faults, frames
 from kvconnect.integrations.sglang.prefill_side import lease_id
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,9 @@ class DecodeSide:
     def _start_decode(self) -> None:
         self._dests: dict[int, tuple[np.ndarray, int]] = {}  # room -> (pages, aux row)
         self._loads: dict[str, tuple[int, np.ndarray, int]] = {}  # load handle -> (room, pages, aux row)
-        self._delay_s = float(os.environ.get("KVCONNECT_SGLANG_FAULT_LOAD_DELAY_S", "0"))
+        # Held across a room's check and its load's start, so an abort sees either no load or one it can cancel.
+        self._rooms_lock = threading.Lock()
+        self._delay_s, self._hold_s = faults.load_delay_s(), faults.read_hold_s()
         self._thread = threading.Thread(target=self._serve, args=(self._on_decode_frame,), daemon=True,
                                         name="kvconnect-sglang-decode")
         self._thread.start()
@@ -70,23 +72,26 @@ class DecodeSide:
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
 
     def _start_load(self, room: int, params: wire.TransferParams) -> None:
-        dest = self._dests.pop(room, None)
-        if dest is None or room not in self.request_status or self.check_status(room) == KVPoll.Failed:
-            log.info("kvconnect sglang decode: params for room %s, which waits for none: lease released", room)
-            self._release(params)
-            return
-        pages, aux = dest
-        handle = lease_id(room)
-        # Known before the load starts: a pump on the scheduler's thread may see it finish at once.
-        self._loads[handle] = (room, pages, aux)
-        try:
-            self.connector.start_load(params, [pages, [aux]], handle=handle, decoded=True)
-        except KVConnectError as exc:
-            self._loads.pop(handle, None)
-            self.record_failure(room, f"kvconnect: load refused: {exc}")
-            self.update_status(room, KVPoll.Failed)
-            self._release(params)
-            return
+        with self._rooms_lock:
+            dest = self._dests.pop(room, None)
+            if dest is None or room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                log.info("kvconnect sglang decode: params for room %s, which waits for none: lease released", room)
+                self._release(params)
+                return
+            pages, aux = dest
+            handle = lease_id(room)
+            # Known before the load starts: a pump on the scheduler's thread may see it finish at once.
+            self._loads[handle] = (room, pages, aux)
+            try:
+                self.connector.start_load(params, [pages, [aux]], handle=handle, decoded=True)
+            except KVConnectError as exc:
+                self._loads.pop(handle, None)
+                self.record_failure(room, f"kvconnect: load refused: {exc}")
+                self.update_status(room, KVPoll.Failed)
+                self._release(params)
+                return
+        if self._hold_s > 0:
+            log.warning("kvconnect sglang decode: fault injection: room %s READ held %g s", room, self._hold_s)
         self.update_status(room, KVPoll.Transferring)
 
     def _release(self, params: wire.TransferParams) -> None:
@@ -106,11 +111,33 @@ class DecodeSide:
             room = self._loads.pop(handle, (None,))[0]
             if room is not None:
                 log.warning("kvconnect sglang decode: room %s failed: kvconnect: %s", room, failure)
-                self.record_failure(room, f"kvconnect: {failure}")
-                self.update_status(room, KVPoll.Failed)
+                if room in self.request_status:  # a room SGLang already cleared would keep the record forever
+                    self.record_failure(room, f"kvconnect: {failure}")
+                    self.update_status(room, KVPoll.Failed)
 
     def abort_load(self, room: int) -> None:
         """The receiver gave up: forget the room's pages and fail its load if one runs."""
-        self._dests.pop(room, None)
-        if lease_id(room) in self._loads:
+        with self._rooms_lock:
+            self._dests.pop(room, None)
+            running = lease_id(room) in self._loads
+        if running:
             self.connector.abort(lease_id(room))
+
+    def load_running(self, room: int) -> bool:
+        """Whether a kvconnect load may still write the room's pages (not yet reported loaded or failed)."""
+        self.pump()
+        with self._rooms_lock:
+            return lease_id(room) in self._loads
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """SGLang may free an aborted room's pages: its load, if any, ended (prefill acks are not needed)."""
+        return not self.load_running(bootstrap_room)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang freed a held room's pages: say whether that was safe (its own timeout frees them regardless)."""
+        super().clear_deferred_abort_state(bootstrap_room)
+        if self.load_running(bootstrap_room):
+            log.error("kvconnect sglang decode: room %s pages released while its kvconnect load can still land "
+                      "bytes in them (SGLang's deferred KV release timed out first)", bootstrap_room)
+        else:
+            log.info("kvconnect sglang decode: room %s pages released after its load ended", bootstrap_room)

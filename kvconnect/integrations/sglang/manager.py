@@ -7,7 +7,8 @@ them: it turns the connector's finished leases and loads into SGLang statuses.
 
 Settings (environment, read once per server): `KVCONNECT_SGLANG_LEASE_S` (how long a prefill holds
 a finished request's pages for its decode to claim them, default 30), `KVCONNECT_SGLANG_LOAD_TIMEOUT_S`
-(a decode's whole load, default 60), `KVCONNECT_SGLANG_HANDSHAKE_TIMEOUT_S` (default 5).
+(a decode's whole load, default 60), `KVCONNECT_SGLANG_HANDSHAKE_TIMEOUT_S` (default 5). A decode
+server needs SGLang's deferred KV release on, with a timeout no shorter than the load's (`deferral`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvconnect.config import ConnectorConfig
 from kvconnect.connector import KVConnector
 from kvconnect.errors import KVConnectError
-from kvconnect.integrations.sglang import buffers, frames
+from kvconnect.integrations.sglang import buffers, deferral, faults, frames
 from kvconnect.integrations.sglang.decode_side import DecodeSide
 from kvconnect.integrations.sglang.prefill_side import PrefillSide
 
@@ -53,7 +54,8 @@ class KVConnectManager(PrefillSide, DecodeSide, CommonKVManager):
     transport = "mooncake"
     kv_status_msg_tag = frames.STATUS
     kv_status_msg_carries_reason = True
-    supports_deferred_decode_kv_release = False
+    # An aborted or failed request's pages stay held until kvconnect reports its load ended.
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False):
@@ -61,12 +63,16 @@ class KVConnectManager(PrefillSide, DecodeSide, CommonKVManager):
         self._stopped = False
         self._pump_lock = threading.Lock()
         self.prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        limits = settings()
+        if not self.prefill:
+            limits["load_timeout_s"] = deferral.check(self.enable_deferred_decode_kv_release, limits["load_timeout_s"],
+                                                      explicit=deferral.LOAD_TIMEOUT in os.environ)
         held = buffers.from_kv_args(args, str(server_args.device))
         role = "producer" if self.prefill else "consumer"
         config = ConnectorConfig(engine_id=f"sglang-{role}-{uuid.uuid4().hex[:12]}", role=role,
                                  backend=self.transport, host=self.local_ip, block_size=int(args.page_size),
-                                 groups=list(held.groups), **settings())
-        self.connector = KVConnector(config)
+                                 groups=list(held.groups), **limits)
+        self.connector = KVConnector(config, transport=None if self.prefill else faults.decode_transport(config))
         self.connector.register_kv_caches(held.tensors)
         self.held = held
         log.info("kvconnect sglang %s: %d regions (%d bytes) over %s, engine %s", role, len(self.connector.regions),
