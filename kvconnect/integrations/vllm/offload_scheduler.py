@@ -14,17 +14,25 @@ orders on its own host pool (the same slots, each holding that rank's shard of t
 the manager holds is held by every rank. Below the host pool each rank writes its shard under its own
 keys; the lower index counts a block only when every rank's page is there, and a stored block's
 slots stay pinned until every rank reported it done with them (written down, or its store failed).
+
+With several KV-cache groups (sliding-window and full-attention layers) each slot holds one group's
+block under a key of that group (`offload_groups`): a hit needs the full-attention groups' blocks and
+the sliding-window groups' windows. Such engines keep to the host pool (no lower tiers).
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from kvconnect.integrations.vllm.config import OffloadConfig
+from kvconnect.integrations.vllm import dump
+from kvconnect.integrations.vllm.groups import GroupRule
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import StatsFile
+from kvconnect.integrations.vllm.offload_groups import group_blocks, group_keys, hit_blocks, stored_blocks
 from kvconnect.integrations.vllm.tiers import lower_index
 from kvconnect.offload.keys import block_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
@@ -40,11 +48,18 @@ class OffloadScheduler:
     """Prefix lookups, load plans and store plans for one engine's host tier."""
 
     def __init__(self, config: OffloadConfig, *, block_size: int, num_slots: int, slot_bytes: int,
-                 namespace: bytes = b"", shards: Sequence[bytes] = (b"",)):
+                 namespace: bytes = b"", shards: Sequence[bytes] = (b"",), rules: Sequence[GroupRule] = (),
+                 group_ids: Sequence[int] = (0,)):
         self.block_size = block_size
+        # Several groups: vLLM's index of each group this tier keeps, and which of its blocks a hit needs.
+        self.rules, self.group_ids = tuple(rules), tuple(group_ids)
+        self._stats_group = next((g for g, r in enumerate(self.rules) if not r.window_tokens), 0)
+        if len(self.group_ids) > 1 and config.tiers:
+            raise ValueError("lower tiers keep engines of one KV-cache group; this one has "
+                             f"{len(self.group_ids)} (sliding-window and full-attention layers): use the host pool alone")
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
-        self._keys: dict[str, tuple[int, list[bytes]]] = {}
+        self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}  # request -> (tokens, keys per group)
         self._computed: dict[str, int] = {}
         self._meta = KVConnectMeta()
         self._pending_loads: list[LoadPlan] = []
@@ -53,6 +68,8 @@ class OffloadScheduler:
         self._stats_file = StatsFile(config.stats_path)
         self.lower = lower_index(config.tiers, namespace, slot_bytes, shards) if config.tiers else None
         self.tp = len(shards)
+        # Keys travel to the workers when they write pages down, or dump them for a test's byte check.
+        self._keyed = self.lower is not None or bool(os.environ.get(dump.ENV))
         self._written_by: dict[str, set[int]] = {}  # request -> ranks done writing its store down
         self._abandoned: dict[str, StorePlan] = {}  # failed stores whose slots a rank may still read
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
@@ -60,11 +77,12 @@ class OffloadScheduler:
         self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
         self._tier = {"tier_hits": 0, "promoted": 0, "promote_failed": 0, "written_down": 0}
 
-    def _keys_of(self, request: Request) -> list[bytes]:
+    def _keys_of(self, request: Request) -> list[list[bytes]]:
+        """The prompt's block keys per group (group 0's are the token blocks' own)."""
         tokens = request.prompt_token_ids or []
         got = self._keys.get(request.request_id)
         if got is None or got[0] != len(tokens):
-            got = (len(tokens), block_keys(tokens, self.block_size, salt=self.salt))
+            got = (len(tokens), group_keys(block_keys(tokens, self.block_size, salt=self.salt), len(self.group_ids)))
             self._keys[request.request_id] = got
         return got[1]
 
@@ -73,9 +91,17 @@ class OffloadScheduler:
         n_prompt = len(request.prompt_token_ids or ())
         if n_prompt < 2 or num_computed_tokens % self.block_size:
             return 0, False
-        keys = self._keys_of(request)
+        grouped = self._keys_of(request)
+        keys = grouped[0]
         limit = min(len(keys), (n_prompt - 1) // self.block_size)
         start = num_computed_tokens // self.block_size
+        if len(grouped) > 1:
+            present = [np.fromiter((self.manager.contains(k) for k in ks[start:limit]), dtype=bool,
+                                   count=max(limit - start, 0)) for ks in grouped]
+            hits = hit_blocks(present, self.rules, start) if limit > start else 0
+            self._computed[request.request_id] = num_computed_tokens
+            self._matched[request.request_id] = (hits, 0)
+            return hits * self.block_size, False
         hits = 0
         while start + hits < limit and self.manager.contains(keys[start + hits]):
             hits += 1
@@ -95,15 +121,28 @@ class OffloadScheduler:
         """Pin the hit's slots and tell the worker to load them into the allocated blocks."""
         if num_external_tokens <= 0:
             return
-        keys = self._keys_of(request)
+        grouped = self._keys_of(request)
         start = self._computed.get(request.request_id, 0) // self.block_size
         nblk = num_external_tokens // self.block_size
+        if len(grouped) > 1:
+            all_ids = blocks.get_block_ids()
+            want, ids, missing = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
+                                              self.manager.contains)
+            self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
+            plan = self.manager.prepare_load(want)
+            self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
+                                                        invalid_block_ids=missing.tolist(),
+                                                        keys=list(plan.keys) if self._keyed else []))
+            self._pending_loads.append(plan)
+            return
+        keys = grouped[0]
         ids = [int(i) for i in blocks.get_block_ids()[0][start:start + nblk]]
         self.manager.lookup(keys)  # counted once per admitted request, for the hit/miss stats
         hits = min(nblk, self._matched.get(request.request_id, (nblk, 0))[0])
         plan = self.manager.prepare_load(keys[start:start + hits])
         if hits == nblk:
-            self._meta.offload_loads.append(OffloadLoad(block_ids=ids, slots=plan.slots.tolist()))
+            self._meta.offload_loads.append(OffloadLoad(block_ids=ids, slots=plan.slots.tolist(),
+                                                        keys=list(plan.keys) if self._keyed else []))
             self._pending_loads.append(plan)
             return
         up = self.manager.prepare_store(keys[start + hits:start + nblk], leading=True)
@@ -173,17 +212,22 @@ class OffloadScheduler:
         self._keys.pop(rid, None)
         self._computed.pop(rid, None)
         self._matched.pop(rid, None)
-        ids = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
+        per_group = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else (block_ids,)
         ntok = min(request.num_computed_tokens, len(request.all_token_ids))
-        keys = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)[:len(ids)]
+        tokens = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)
+        if len(self.group_ids) > 1:
+            keys, ids = stored_blocks(group_keys(tokens, len(self.group_ids)), [per_group[g] for g in self.group_ids])
+        else:
+            ids = np.asarray(per_group[0], dtype=np.int64)
+            keys = tokens[:len(ids)]
         if not keys:
             return False, None
         plan = self.manager.prepare_store(keys)
         if len(plan) == 0:
             return False, None
-        src = np.asarray(ids, dtype=np.int64)[plan.positions]
+        src = ids[plan.positions]
         self._meta.offload_stores.append(OffloadStore(request_id=rid, block_ids=src.tolist(), slots=plan.slots.tolist(),
-                                                      keys=list(plan.keys) if self.lower is not None else []))
+                                                      keys=list(plan.keys) if self._keyed else []))
         self._stores[rid] = plan
         return True, None
 

