@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from kvconnect.cliargs import positive_int
+from kvconnect.workload.timing import best_seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,15 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=20, help="timed repetitions; the best is reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     n_random = len(block_rows(rs, random_ids))
     n_contiguous = len(block_rows(rs, contiguous_ids))
-    seconds_random = _best(lambda: block_rows(rs, random_ids), args.repeat)
-    seconds_contiguous = _best(lambda: block_rows(rs, contiguous_ids), args.repeat)
+    seconds_random = best_seconds(lambda: block_rows(rs, random_ids), args.repeat)
+    seconds_contiguous = best_seconds(lambda: block_rows(rs, contiguous_ids), args.repeat)
 
     ids_list = random_ids.tolist()
 
@@ -62,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append((region.base_addr + b * region.block_stride, region.block_bytes, region.device_id))
         return np.array(rows, dtype=np.uint64)
 
-    python_loop_seconds = _best(python_loop, max(1, args.repeat // 5))
+    python_loop_seconds = best_seconds(python_loop, max(1, args.repeat // 5))
     # Check against the loop block by block: split each merged run back into its blocks first.
     ours = block_rows(rs, random_ids)
     blocks = ours[:, 1] // np.uint64(args.block_bytes)

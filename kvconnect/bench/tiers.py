@@ -15,26 +15,15 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from kvconnect.cliargs import UsageError
+from kvconnect.workload.timing import best_seconds
 
 # What the tiers aim for: store and load at least this fraction of the raw operation on the same bytes.
 TARGET_RATIO = 0.9
-
-
-def _best(fn, repeat: int, before=None) -> float:
-    times = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _keys(tag: str, n: int) -> list[bytes]:
@@ -152,7 +141,7 @@ def run_tier(args: argparse.Namespace) -> int:
                 ok_all &= results[-1]["verified"]
             flat = np.concatenate([r[src] for r in rows], axis=1)
             keys = _keys("hash", args.pages)
-            hash_s = _best(lambda: page_checksums(keys, flat), args.repeat)
+            hash_s = best_seconds(lambda: page_checksums(keys, flat), args.repeat)
         finally:
             if local is not None:
                 local.stop()
@@ -175,14 +164,14 @@ def _one_size(args, side, pool, src: np.ndarray, dst: np.ndarray, page: int) -> 
     def ours_put() -> None:
         assert side.tier.put(keys, src).all(), "the tier did not store every page"
 
-    put_s = _best(ours_put, args.repeat, before=new_keys)
+    put_s = best_seconds(ours_put, args.repeat, before=new_keys)
     for rows in pool.rows:
         rows[dst] = 0
-    get_s = _best(lambda: side.tier.get(keys, dst), args.repeat)
+    get_s = best_seconds(lambda: side.tier.get(keys, dst), args.repeat)
     verified = all(np.array_equal(rows[dst], rows[src]) for rows in pool.rows)
     if isinstance(side, _Disk):
-        raw_put_s = _best(lambda: side.raw_put(flat_out), args.repeat, before=side.raw_fresh)
-        raw_get_s = _best(lambda: side.raw_get(flat_in), args.repeat)
+        raw_put_s = best_seconds(lambda: side.raw_put(flat_out), args.repeat, before=side.raw_fresh)
+        raw_get_s = best_seconds(lambda: side.raw_get(flat_in), args.repeat)
         verified &= np.array_equal(flat_in, flat_out)
     else:
         names: list[str] = []
@@ -191,8 +180,8 @@ def _one_size(args, side, pool, src: np.ndarray, dst: np.ndarray, page: int) -> 
             side.fresh()
             names[:] = [k.hex() for k in _keys(f"raw/{page}/{next(tags)}", args.pages)]
 
-        raw_put_s = _best(lambda: side.raw_batches(names, src, True), args.repeat, before=raw_keys)
-        raw_get_s = _best(lambda: side.raw_batches(names, dst, False), args.repeat)
+        raw_put_s = best_seconds(lambda: side.raw_batches(names, src, True), args.repeat, before=raw_keys)
+        raw_get_s = best_seconds(lambda: side.raw_batches(names, dst, False), args.repeat)
     stats = side.tier.stats()
     return {"page_kib": page // 1024, "pages": args.pages, "bytes": total,
             "store_gbps": total / put_s / 1e9, "raw_store_gbps": total / raw_put_s / 1e9,

@@ -8,29 +8,19 @@ the same batches, so that the backend's cost per entry shows apart from kvconnec
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
+
+from kvconnect.workload.timing import best_seconds
 
 
 def _pattern(nbytes: int) -> torch.Tensor:
     # A prime period, so no page-aligned copy mistake reproduces it; built by repetition, not arithmetic.
     period = torch.arange(251, dtype=torch.uint8)
     return period.repeat(-(-nbytes // 251))[:nbytes].clone()
-
-
-def _best_seconds(once: Callable[[], None], repeat: int) -> float:
-    """The shortest of `repeat` timed calls of `once`, after one untimed warm-up."""
-    once()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 class RawSide:
@@ -75,7 +65,7 @@ class RawSide:
         local = self.agent.get_xfer_descs(self._row, "DRAM")
         far = self.agent.get_xfer_descs(np.array([[remote["addr"], self.nbytes, 0]], dtype=np.uint64), "DRAM")
         self._handle = self.agent.initialize_xfer("READ", local, far, self._remote)
-        best = _best_seconds(lambda: self._nixl_read(self._handle, "READ"), repeat)
+        best = best_seconds(lambda: self._nixl_read(self._handle, "READ"), repeat, warmup=True)
         if not torch.equal(self.buf, _pattern(self.nbytes)):
             raise RuntimeError("raw NIXL READ delivered different bytes")
         return self.nbytes / best / 1e9
@@ -118,7 +108,7 @@ class RawSide:
         handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(rows, "DRAM"),
                                             self.agent.get_xfer_descs(far_rows, "DRAM"), self._remote)
         try:
-            return _best_seconds(lambda: self._nixl_read(handle, "READ of entries"), repeat)
+            return best_seconds(lambda: self._nixl_read(handle, "READ of entries"), repeat, warmup=True)
         finally:
             self.agent.release_xfer_handle(handle)
 
@@ -134,7 +124,8 @@ class RawSide:
         base = self.buf.data_ptr()
         batches = [((local[i:i + batch] + base).tolist(), (far[i:i + batch] + remote["addr"]).tolist(),
                     sizes[i:i + batch].tolist()) for i in range(0, len(sizes), batch)]
-        return _best_seconds(lambda: self._mooncake_read(remote["session"], batches, "READ of entries"), repeat)
+        return best_seconds(lambda: self._mooncake_read(remote["session"], batches, "READ of entries"), repeat,
+                            warmup=True)
 
     def _mooncake_read(self, session: str, batches: list[tuple[list[int], list[int], list[int]]], what: str) -> None:
         for mine, theirs, lengths in batches:
@@ -178,7 +169,7 @@ class RawSide:
 
     def _mooncake_read_gbps(self, remote: dict[str, Any], repeat: int) -> float:
         whole = [([self.buf.data_ptr()], [remote["addr"]], [self.nbytes])]
-        best = _best_seconds(lambda: self._mooncake_read(remote["session"], whole, "READ"), repeat)
+        best = best_seconds(lambda: self._mooncake_read(remote["session"], whole, "READ"), repeat, warmup=True)
         if not torch.equal(self.buf, _pattern(self.nbytes)):
             raise RuntimeError("raw Mooncake READ delivered different bytes")
         return self.nbytes / best / 1e9
