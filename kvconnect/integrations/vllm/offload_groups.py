@@ -59,13 +59,14 @@ def hit_blocks(present: Sequence[np.ndarray], rules: Sequence[GroupRule], start:
 
 
 def group_blocks(keys: Sequence[Sequence[bytes]], block_ids: Sequence[Sequence[int]], start: int, count: int,
-                 held: Callable[[bytes], bool]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
-    """For the blocks `[start, start + count)` of every group: (keys held, their block ids, block ids not held).
+                 held: Callable[[bytes], bool]) -> tuple[list[bytes], np.ndarray, np.ndarray, list[int]]:
+    """For the blocks `[start, start + count)` of every group: (keys held, their block ids, block ids not
+    held, how many of the keys held are each group's).
 
     `block_ids[g]` are group g's ids from position 0; null blocks are skipped.
     """
     want_keys: list[bytes] = []
-    want_ids, missing = [], []
+    want_ids, missing, per_group = [], [], []
     for ks, ids in zip(keys, block_ids):
         ids = np.asarray(ids[start:start + count], dtype=np.int64)
         real = np.flatnonzero(ids != NULL_BLOCK)
@@ -73,8 +74,9 @@ def group_blocks(keys: Sequence[Sequence[bytes]], block_ids: Sequence[Sequence[i
         want_keys.extend(ks[start + i] for i in real[have])
         want_ids.append(ids[real[have]])
         missing.append(ids[real[~have]])
+        per_group.append(int(have.sum()))
     return want_keys, np.concatenate(want_ids or [np.zeros(0, np.int64)]), np.concatenate(
-        missing or [np.zeros(0, np.int64)])
+        missing or [np.zeros(0, np.int64)]), per_group
 
 
 def stored_blocks(keys: Sequence[Sequence[bytes]], block_ids: Sequence[Sequence[int]]) -> tuple[list[bytes], np.ndarray]:

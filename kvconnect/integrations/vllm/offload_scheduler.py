@@ -16,8 +16,8 @@ keys; the lower index counts a block only when every rank's page is there, and a
 slots stay pinned until every rank reported it done with them (written down, or its store failed).
 
 With several KV-cache groups (sliding-window and full-attention layers) each slot holds one group's
-block under a key of that group (`offload_groups`): a hit needs the full-attention groups' blocks and
-the sliding-window groups' windows. Such engines keep to the host pool (no lower tiers).
+block under a key of that group (`offload_groups`), in the host pool and below it alike: a hit needs
+the full-attention groups' blocks and the sliding-window groups' windows, from wherever they are.
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ class OffloadScheduler:
         # Several groups: vLLM's index of each group this tier keeps, and which of its blocks a hit needs.
         self.rules, self.group_ids = tuple(rules), tuple(group_ids)
         self._stats_group = next((g for g, r in enumerate(self.rules) if not r.window_tokens), 0)
-        if len(self.group_ids) > 1 and config.tiers:
-            raise ValueError("lower tiers keep engines of one KV-cache group; this one has "
-                             f"{len(self.group_ids)} (sliding-window and full-attention layers): use the host pool alone")
+        self._group_hits = np.zeros(len(self.group_ids), dtype=np.int64)  # group blocks promised to vLLM
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
         self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}  # request -> (tokens, keys per group)
@@ -73,6 +71,7 @@ class OffloadScheduler:
         self._written_by: dict[str, set[int]] = {}  # request -> ranks done writing its store down
         self._abandoned: dict[str, StorePlan] = {}  # failed stores whose slots a rank may still read
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
+        self._below: dict[str, set[bytes]] = {}  # several groups: request -> group keys its hit brings up
         self._promotions: dict[str, tuple[LoadPlan, StorePlan]] = {}
         self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
         self._tier = {"tier_hits": 0, "promoted": 0, "promote_failed": 0, "written_down": 0}
@@ -96,12 +95,8 @@ class OffloadScheduler:
         limit = min(len(keys), (n_prompt - 1) // self.block_size)
         start = num_computed_tokens // self.block_size
         if len(grouped) > 1:
-            present = [np.fromiter((self.manager.contains(k) for k in ks[start:limit]), dtype=bool,
-                                   count=max(limit - start, 0)) for ks in grouped]
-            hits = hit_blocks(present, self.rules, start) if limit > start else 0
             self._computed[request.request_id] = num_computed_tokens
-            self._matched[request.request_id] = (hits, 0)
-            return hits * self.block_size, False
+            return self._group_match(request.request_id, grouped, start, limit)
         hits = 0
         while start + hits < limit and self.manager.contains(keys[start + hits]):
             hits += 1
@@ -125,15 +120,7 @@ class OffloadScheduler:
         start = self._computed.get(request.request_id, 0) // self.block_size
         nblk = num_external_tokens // self.block_size
         if len(grouped) > 1:
-            all_ids = blocks.get_block_ids()
-            want, ids, missing = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
-                                              self.manager.contains)
-            self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
-            plan = self.manager.prepare_load(want)
-            self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
-                                                        invalid_block_ids=missing.tolist(),
-                                                        keys=list(plan.keys) if self._keyed else []))
-            self._pending_loads.append(plan)
+            self._group_alloc(request.request_id, grouped, blocks.get_block_ids(), start, nblk)
             return
         keys = grouped[0]
         ids = [int(i) for i in blocks.get_block_ids()[0][start:start + nblk]]
@@ -152,6 +139,49 @@ class OffloadScheduler:
             block_ids=ids[:got], slots=plan.slots.tolist() + up.slots.tolist(), request_id=request.request_id,
             fetch_keys=list(up.keys), fetch_from=hits, invalid_block_ids=ids[got:]))
         self._promotions[request.request_id] = (plan, up)
+
+    def _group_match(self, rid: str, grouped: list[list[bytes]], start: int, limit: int) -> tuple[int, bool]:
+        """Several groups: the longest hit whose every needed group block is in the host pool or below it."""
+        n = max(limit - start, 0)
+        host = [np.fromiter((self.manager.contains(k) for k in ks[start:limit]), dtype=bool, count=n) for ks in grouped]
+        below = [np.zeros(n, dtype=bool) for _ in grouped]
+        if self.lower is not None and n:
+            for g, ks in enumerate(grouped):
+                # A block on its way into the host pool (a store, a promotion) can get no second slot.
+                absent = np.fromiter((self.manager.absent(k) for k in ks[start:limit]), dtype=bool, count=n)
+                below[g] = absent & self.lower.contains(ks[start:limit])
+        hits = hit_blocks([h | b for h, b in zip(host, below)], self.rules, start) if n else 0
+        up = {ks[start + i] for ks, b in zip(grouped, below) for i in np.flatnonzero(b[:hits])}
+        self._matched[rid] = (hits, len(up))
+        self._below[rid] = up
+        return hits * self.block_size, bool(up)
+
+    def _group_alloc(self, rid: str, grouped: list[list[bytes]], all_ids: Sequence[Sequence[int]], start: int,
+                     nblk: int) -> None:
+        """Several groups: load the hit's group blocks from the host pool, bringing up those below it first."""
+        below = self._below.pop(rid, set())
+        want, ids, missing, per_group = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
+                                                     lambda k: k in below or self.manager.contains(k))
+        self._group_hits += np.asarray(per_group, dtype=np.int64)
+        self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
+        on_host = np.fromiter((k not in below for k in want), dtype=bool, count=len(want))
+        plan = self.manager.prepare_load([k for k, h in zip(want, on_host) if h])
+        if not self._matched.get(rid, (0, 0))[1]:
+            self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
+                                                        invalid_block_ids=missing.tolist(),
+                                                        keys=list(plan.keys) if self._keyed else []))
+            self._pending_loads.append(plan)
+            return
+        # Promised as asynchronous: a load with the request's id, reported when its pages came up.
+        up = self.manager.prepare_store([k for k, h in zip(want, on_host) if not h], leading=True)
+        rising = ids[~on_host]
+        self._tier["tier_hits"] += rising.size
+        self._meta.offload_loads.append(OffloadLoad(
+            block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
+            slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
+            fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist(),
+            keys=list(plan.keys) + list(up.keys) if self._keyed else []))
+        self._promotions[rid] = (plan, up)
 
     def build_meta(self) -> KVConnectMeta:
         """This step's loads and stores."""
@@ -212,6 +242,7 @@ class OffloadScheduler:
         self._keys.pop(rid, None)
         self._computed.pop(rid, None)
         self._matched.pop(rid, None)
+        self._below.pop(rid, None)
         per_group = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else (block_ids,)
         ntok = min(request.num_computed_tokens, len(request.all_token_ids))
         tokens = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)
@@ -238,6 +269,8 @@ class OffloadScheduler:
         if self.lower is not None:
             out.update(self._tier, disk_pages=self.lower.disk_keys(), bytes_stored_per_block=self.manager.slot_bytes,
                        bytes_promoted=self._tier["promoted"] * self.manager.slot_bytes)
+        if len(self.group_ids) > 1:  # per KV-cache group (vLLM's order): blocks a hit took from the tiers
+            out["group_hits"] = self._group_hits.tolist()
         return out
 
     def shutdown(self) -> None:
