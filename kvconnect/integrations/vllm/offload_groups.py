@@ -9,8 +9,10 @@ with one group keys its pages as before.
 A prefix hit of `h` blocks from `start` needs, for each full-attention group, every block of
 `[start, start + h)`, and for a sliding-window group of `w` tokens only the blocks holding the
 `w - 1` tokens before `(start + h) * block_size`, the ones the next token attends to (vLLM's own
-prefix cache asks the same); vLLM gives the others its null block, which is neither stored nor loaded. A block vLLM allocated whose group key the pool does not hold is reported
-as a load error, so vLLM recomputes it rather than reading a block nobody wrote.
+prefix cache asks the same); vLLM gives the others its null block, which is neither stored nor
+loaded. A block vLLM allocated whose group key the tier does not hold is reported as a load error,
+so vLLM recomputes it rather than reading a block nobody wrote. Lower tiers keep group blocks under
+the same keys, so a hit may take some from the host pool and bring the others up.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def group_blocks(keys: Sequence[Sequence[bytes]], block_ids: Sequence[Sequence[i
         missing or [np.zeros(0, np.int64)]), per_group
 
 
-def stored_blocks(keys: Sequence[Sequence[bytes]], block_ids: Sequence[Sequence[int]]) -> tuple[list[bytes], np.ndarray]:
+def stored_blocks(keys: Sequence[Sequence[bytes]],
+                  block_ids: Sequence[Sequence[int]]) -> tuple[list[bytes], np.ndarray]:
     """A finished request's group blocks worth storing: every full block that is not vLLM's null block."""
     out_keys: list[bytes] = []
     out_ids = []
