@@ -138,6 +138,17 @@ def rank_plan(pages: Sequence[PageShards | None], tp: int, rank: int, peer_tp: i
     return RankPlan(reads=tuple(sorted(per_rank[rank])), readers=readers, releases=releases)
 
 
+def write_plan(pages: Sequence[PageShards | None], tp: int, rank: int, peer_tp: int) -> RankPlan:
+    """Push: which peer ranks local `rank` of `tp` writes a request into. Each peer rank takes each of its
+    parts from the one local rank `rank_plan` would have it read from, so every peer page is covered
+    once (replicated peer parts too); `readers[p]`: how many local ranks write peer rank p."""
+    if peer_tp == tp:
+        return RankPlan(reads=(rank,), readers=(1,) * tp, releases=())
+    writers = [rank_plan(pages, peer_tp, p, tp).reads for p in range(peer_tp)]
+    return RankPlan(reads=tuple(p for p in range(peer_tp) if rank in writers[p]),
+                    readers=tuple(len(w) for w in writers), releases=())
+
+
 def page_slices(mine: PageShards, tp: int, rank: int, theirs: PageShards, peer_tp: int,
                 peer_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(local offsets, peer offsets, lengths) in bytes of the parts peer rank `peer_rank` supplies to

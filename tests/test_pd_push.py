@@ -148,10 +148,11 @@ def test_an_offer_naming_blocks_the_decode_does_not_have_is_refused_before_any_w
     decode.producer.abort("h")
 
 
-def test_push_between_tensor_parallel_sizes_is_refused_by_name(producers, consumers) -> None:
+def test_push_between_tp_sizes_without_a_described_split_is_refused_by_name(producers, consumers) -> None:
     decode, _ = consumers("dense", 16, push=True, world_size=2, rank=0)
-    with pytest.raises(KVConnectError, match="push mode runs between instances of TP 1"):
+    with pytest.raises(KVConnectError, match="cannot map prefill TP 1 onto decode TP 2"):
         decode.expect_push("k", ("127.0.0.1", 1), [[1]], 16, handle="r")
+    assert decode.held_blocks == 0
 
 
 def test_the_prefill_killed_mid_write_fails_the_decode_within_its_deadline(producers, consumers) -> None:
@@ -234,18 +235,21 @@ class _RecordingConsumer:
     world_size = 1
 
     def __init__(self):
-        self.loads = []
+        self.loads, self.params = [], []
 
     def load(self, params, local, *, handle, timeout_s, op, layerwise=False, fence=None):
         self.loads.append((params.request_id, [ids.tolist() for ids in local], handle, op))
+        self.params.append(params)
         return handle
 
 
-def _offer(key: str, blocks, tp: int = 1) -> wire.Offer:
-    ranks = tuple(wire.RankAddr(host="127.0.0.1", port=5600 + r, incarnation="i") for r in range(tp)) if tp > 1 else ()
-    return wire.Offer(engine_id="decode", rank=0, key=key, params=wire.TransferParams(
-        engine_id="decode", host="127.0.0.1", port=5600, request_id=f"lease-{key}", block_ids=blocks, num_tokens=16,
-        lease_expiry=time.time() + 60, incarnation="i", ranks=ranks))
+def _offer(key: str, blocks, tp: int = 1, rank: int = 0, ranks: int = 1) -> wire.Offer:
+    """Decode rank `rank` of `tp` offers; `ranks` > 1: params naming that many ranks (which no offer may)."""
+    named = tuple(wire.RankAddr(host="127.0.0.1", port=5600 + r, incarnation="i") for r in range(ranks)) \
+        if ranks > 1 else ()
+    return wire.Offer(engine_id="decode", rank=rank, key=key, tp_size=tp, params=wire.TransferParams(
+        engine_id="decode", host="127.0.0.1", port=5600 + rank, request_id=f"lease-{key}", block_ids=blocks,
+        num_tokens=16, lease_expiry=time.time() + 60, incarnation=f"i{rank}" if ranks == 1 else "i", ranks=named))
 
 
 def test_the_pusher_writes_whichever_comes_second_and_expires_what_waits_too_long() -> None:
@@ -262,8 +266,8 @@ def test_the_pusher_writes_whichever_comes_second_and_expires_what_waits_too_lon
     assert consumer.loads == [("lease-a", [[2, 3]], "ra", "WRITE"), ("lease-b", [[4, 5]], "rb", "WRITE")]
     with pytest.raises(Refusal, match="offered already"):
         pusher.offer(_offer("b", [[1]]))
-    with pytest.raises(Refusal, match="TP 1"):
-        pusher.offer(_offer("c", [[1]], tp=2))
+    with pytest.raises(Refusal, match="one decode rank"):
+        pusher.offer(_offer("c", [[1]], ranks=2))
     pusher.offer(_offer("c", [[1]]))
     pusher.offer(_offer("d", [[1]]))
     with pytest.raises(Refusal, match="wait for their prefill"):
@@ -274,6 +278,40 @@ def test_the_pusher_writes_whichever_comes_second_and_expires_what_waits_too_lon
 
     out = pusher.take(LoadResults(loaded=["ra", "pull-load"]))
     assert out.pushed == ["ra"] and "no decode offered blocks" in out.failed["ro"]
+
+
+def test_the_pusher_writes_once_every_decode_rank_offered_naming_them_all() -> None:
+    from kvconnect.pd.pusher import Pusher
+    from kvconnect.sidechannel import Refusal
+
+    consumer = _RecordingConsumer()
+    pusher = Pusher(consumer, wait_s=5.0)
+    pusher.ready("a", [[1, 2]], handle="ra")
+    pusher.offer(_offer("a", [[7, 8]], tp=2, rank=1))
+    assert consumer.loads == []  # decode rank 0 has not offered yet
+    with pytest.raises(Refusal, match="offered already"):
+        pusher.offer(_offer("a", [[7, 8]], tp=2, rank=1))
+    with pytest.raises(Refusal, match="of TP 2, now by decode of TP 3"):
+        pusher.offer(_offer("a", [[7, 8]], tp=3, rank=0))
+    with pytest.raises(Refusal, match="one decode rank"):
+        pusher.offer(_offer("b", [[7, 8]], tp=2, rank=2))
+    pusher.offer(_offer("a", [[7, 8]], tp=2, rank=0))
+    assert consumer.loads == [("lease-a", [[1, 2]], "ra", "WRITE")]
+    assert [(r.port, r.incarnation) for r in consumer.params[0].ranks] == [(5600, "i0"), (5601, "i1")]
+
+
+def test_a_prefill_rank_missing_a_decode_ranks_offer_fails_its_push_after_its_wait_naming_how_many_came() -> None:
+    from kvconnect.pd.consumer import LoadResults
+    from kvconnect.pd.pusher import Pusher
+
+    now = [0.0]
+    consumer = _RecordingConsumer()
+    pusher = Pusher(consumer, wait_s=5.0, clock=lambda: now[0])
+    pusher.ready("a", [[1, 2]], handle="ra")
+    pusher.offer(_offer("a", [[7, 8]], tp=2, rank=0))
+    now[0] = 5.0
+    assert "1 of 2 decode ranks offered" in pusher.take(LoadResults()).failed["ra"]
+    assert consumer.loads == [] and pusher.pending == 0
 
 
 def test_a_decode_offering_more_blocks_than_the_prefill_computed_fails_the_push() -> None:

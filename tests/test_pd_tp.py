@@ -57,14 +57,15 @@ def hold_everywhere(ranks, request_id: str, kind: str) -> dict:
     return wire.transfer_params_to_builtins(combine_ranks(per_rank))
 
 
-def decode_ranks(backend: str, kind: str, tp: int, made: list) -> list[tuple[KVConnector, dict]]:
+def decode_ranks(backend: str, kind: str, tp: int, made: list, push: bool = False) -> list[tuple[KVConnector, dict]]:
+    """Decode ranks in this process, caches zeroed (`push`: offering their blocks in push mode)."""
     out = []
     for r in range(tp):
         caches, groups, shards = tp_caches(kind, NUM_BLOCKS, seed=0, tp=tp, rank=r)
         for t in caches.values():
             t.zero_()
         conn = KVConnector(ConnectorConfig(role="consumer", backend=backend, engine_id="decode-tp", rank=r,
-                                           world_size=tp, groups=groups, shards=shards))
+                                           world_size=tp, groups=groups, shards=shards, push=push))
         conn.register_kv_caches(caches)
         made.append(conn)
         out.append((conn, caches))

@@ -74,6 +74,8 @@ class FakeInstance:
         self.in_flight = 0
         self.disconnected = 0
         self.kv_mode = "push"  # what it answers a router asking who it is (kvconnect_identify)
+        self.kv_tp = 1  # the TP size it answers with
+        self.kv_ranks: dict = {}  # and where its ranks listen (when several)
         self.prefill_gate = threading.Event()  # a push-mode prefill half answers only once set
         self.prefill_gate.set()
         routes = [Route("/health", self.health, methods=["GET"]),
@@ -107,8 +109,8 @@ class FakeInstance:
         params = body.get("kv_transfer_params") or {}
         if params.get("kvconnect_identify"):
             return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": {
-                "remote_engine_id": self.name, "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1,
-                "mode": self.kv_mode}})
+                "remote_engine_id": self.name, "remote_host": "10.0.0.1", "remote_port": 5600,
+                "tp_size": self.kv_tp, "mode": self.kv_mode, **self.kv_ranks}})
         if params.get("push_key") and params.get("do_remote_decode"):  # push mode's prefill half
             for _ in range(3000):
                 if self.prefill_gate.is_set():
@@ -646,9 +648,11 @@ def test_push_mode_sends_both_halves_at_once_joined_by_one_key(fakes, router):
     (_, dec, _), = d.requests
     assert dec["max_tokens"] == 9
     assert dec["kv_transfer_params"] == {"do_remote_prefill": True, "push_key": key, "remote_engine_id": "p0",
-                                         "remote_host": "10.0.0.1", "remote_port": 5600}
+                                         "remote_host": "10.0.0.1", "remote_port": 5600, "remote_tp_size": 1}
     # The prefill's address is asked once, then kept.
     assert post(r.url).status_code == 200
+    # The prefill half goes in the background: the client may have its answer before prefill got it.
+    wait_until(lambda: len(p.requests) == 3, what="the second request's prefill half")
     assert [b["kv_transfer_params"].get("kvconnect_identify") for _, b, _ in p.requests].count(True) == 1
     assert len({b["kv_transfer_params"].get("push_key") for _, b, _ in p.requests[1:]}) == 2
 
@@ -659,6 +663,24 @@ def test_push_mode_refuses_a_prefill_that_does_not_run_push(fakes, router):
     r = router([p], [d], mode="push")
     resp = post(r.url)
     assert resp.status_code == 502 and "cannot serve push mode" in resp.json()["error"]["message"]
+    assert not d.requests
+
+
+def test_push_mode_tells_decode_the_tp_size_of_a_prefill_of_several_ranks(fakes, router):
+    p, d = fakes("p0"), fakes("d0")
+    p.kv_tp, p.kv_ranks = 2, {"remote_ranks": [["10.0.0.1", 5600], ["10.0.0.1", 5601]]}
+    r = router([p], [d], mode="push")
+    assert post(r.url).status_code == 200
+    (_, dec, _), = d.requests
+    assert dec["kv_transfer_params"]["remote_tp_size"] == 2 and dec["kv_transfer_params"]["remote_port"] == 5600
+
+
+def test_push_mode_refuses_a_prefill_whose_ranks_are_not_at_port_plus_rank(fakes, router):
+    p, d = fakes("p0"), fakes("d0")
+    p.kv_tp, p.kv_ranks = 2, {"remote_ranks": [["10.0.0.1", 5600], ["10.0.0.1", 41234]]}
+    r = router([p], [d], mode="push")
+    resp = post(r.url)
+    assert resp.status_code == 502 and "port + rank" in resp.json()["error"]["message"]
     assert not d.requests
 
 

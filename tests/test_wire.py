@@ -427,7 +427,7 @@ def test_reply_mac_is_bound_to_the_request_nonce() -> None:
 
 def test_bytes_on_the_wire_are_those_of_this_protocol_version() -> None:
     # A peer of the same PROTOCOL_VERSION must read these bytes: changing them means bumping the version.
-    assert wire.PROTOCOL_VERSION == 4
+    assert wire.PROTOCOL_VERSION == 5
     assert wire.REQUEST.encode(wire.HandshakeRequest(rank=3)) == b"\x82\xa4kind\xa8metadata\xa4rank\x03"
     assert wire.REQUEST.encode(Done(engine_id="e", rank=1, request_ids=("r",))) == \
         b"\x85\xa4kind\xa4done\xabrequest_ids\x91\xa1r\xa7readers\x01\xa9engine_id\xa1e\xa4rank\x01"
@@ -437,6 +437,9 @@ def test_bytes_on_the_wire_are_those_of_this_protocol_version() -> None:
         b"\x89\xa9engine_id\xa1e\xa4host\xa1h\xa4port\x01\xaarequest_id\xa1r\xa9block_ids\x91\x92\x01\x02"
         b"\xaanum_tokens\x03\xaclease_expiry\xcb@\x14\x00\x00\x00\x00\x00\x00\xabincarnation\xa1i"
         b"\xa5ranks\x91\x93\xa1h\x01\xa1i")
+    # Version 5: an offer says how many ranks the decode runs.
+    offer = wire.Offer(engine_id="e", rank=1, key="k", params=params, tp_size=2)
+    assert b"\xa7tp_size\x02" in wire.REQUEST.encode(offer)
 
 
 def test_every_public_name_of_the_wire_modules_is_reachable_as_wire_name() -> None:

@@ -340,24 +340,26 @@ def assert_close(got: dict, ref: dict, what: str, logprobs: int) -> None:
 
 # ---- push mode: what a router does, from the test process ----
 
-def where(P: Engine) -> dict:
-    """What a router learns from a prefill instance before pushing from it."""
+def where(P: Engine, tp: int = 1) -> dict:
+    """What a router learns from a prefill instance (of `tp` ranks) before pushing from it."""
     out = P.generate([[0]], max_tokens=1, params=[{"kvconnect_identify": True}])["outputs"][0]
     params = out["kv_transfer_params"]
-    assert params["mode"] == "push" and params["tp_size"] == 1, params
+    assert params["mode"] == "push" and params["tp_size"] == tp, params
     return params
 
 
 def decode_params(at: dict, key: str) -> dict:
     """A push-mode decode request's params, for the prefill `where` described."""
     return {"do_remote_prefill": True, "push_key": key, "remote_host": at["remote_host"],
-            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"]}
+            "remote_port": at["remote_port"], "remote_engine_id": at["remote_engine_id"],
+            "remote_tp_size": at["tp_size"]}
 
 
 def pushed(P: Engine, D: Engine, prompts, max_tokens: int, *, decode_first: bool = True, prefill_after_s: float = 0.5,
-           **decode_kw):
-    """Send the prompts to decode and prefill at once, as a push-mode router does; decode's outputs and the keys."""
-    at = where(P)
+           tp: int = 1, **decode_kw):
+    """Send the prompts to decode and prefill (of `tp` ranks) at once, as a push-mode router does; decode's
+    outputs and the keys."""
+    at = where(P, tp)
     keys = [uuid.uuid4().hex for _ in prompts]
     dparams = [decode_params(at, k) for k in keys]
     result: dict = {}

@@ -233,10 +233,12 @@ def test_push_params_of_the_vllm_adapter_are_checked() -> None:
     from kvconnect.wire import WireError
 
     good = {"do_remote_prefill": True, "push_key": "k", "remote_host": "10.0.0.5", "remote_port": 5600}
-    assert push_source(good) == PushSource("k", "10.0.0.5", 5600)
+    assert push_source(good) == PushSource("k", "10.0.0.5", 5600, 1)
+    assert push_source({**good, "remote_tp_size": 2}) == PushSource("k", "10.0.0.5", 5600, 2)
     assert push_source({"do_remote_prefill": True, "remote_block_ids": [1]}) is None  # a pull
     for bad in ({"push_key": ""}, {"push_key": "k" * 129}, {"remote_port": True}, {"remote_port": 70000},
-                {"remote_host": None}):
+                {"remote_host": None}, {"remote_tp_size": 0}, {"remote_tp_size": True}, {"remote_tp_size": "2"},
+                {"remote_port": 65535, "remote_tp_size": 2}):
         with pytest.raises(WireError, match="push_key"):
             push_source({**good, **bad})
     assert push_key({"do_remote_decode": True, "push_key": "k"}) == "k"

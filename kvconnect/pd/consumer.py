@@ -10,7 +10,9 @@ With tensor parallelism each rank of a decode engine is one consumer. A load fro
 another TP size reads from every producer rank that holds a part of this rank's pages (one part per
 producer rank, each on that rank's worker, `kvconnect.shards.rank_plan`): it is loaded once every
 part is, and failed as soon as one part fails (the others are aborted, so every rank's lease ends).
-Producer ranks no decode rank reads are told to release the request by one decode rank.
+Producer ranks no decode rank reads are told to release the request by one decode rank. A WRITE (push)
+goes the other way: each peer page must be covered once, so the plan is the peer's (`write_plan`), and
+a rank with nothing to write reports its load done at once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvconnect.pd.parts import AbortLoad, LoadPart, RegionsReady, ReleaseLease
 from kvconnect.pd.peer import PeerWorker
 from kvconnect.pd.plan import PeerAddr, local_ids
 from kvconnect.regions import RegionSet
-from kvconnect.shards import RankPlan, rank_plan
+from kvconnect.shards import RankPlan, rank_plan, write_plan
 from kvconnect.transport.base import Transport
 
 __all__ = ["Consumer", "LoadFailure", "LoadResults"]
@@ -88,7 +90,7 @@ class Consumer:
         self._workers: dict[PeerAddr, PeerWorker] = {}
         self._by_handle: dict[str, list[PeerWorker]] = {}
         self._parts: dict[str, _Parts] = {}
-        self._plans: dict[int, RankPlan] = {}
+        self._plans: dict[tuple[int, str], RankPlan] = {}
         self._leases: dict[str, str] = {}  # producer request id -> handle of the load using it
         # Leases this consumer read to the end, newest last: a lease is read once. Until the producer
         # hears the done notice it still holds the blocks, and params naming it again (a router's
@@ -119,7 +121,7 @@ class Consumer:
         timeout = self.load_timeout_s if timeout_s is None else timeout_s
         if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
             raise KVConnectError(f"timeout_s must be a positive number of seconds, got {timeout!r}")
-        plan = self._plan(params.tp_size)
+        plan = self._plan(params.tp_size, op)
         deadline = self.clock() + timeout
         parts = [LoadPart(params=params, handle=handle, local=local, deadline=deadline, peer_rank=p,
                           readers=plan.readers[p], op=op, ready=set() if layerwise else None, fence=fence)
@@ -144,6 +146,9 @@ class Consumer:
                 worker.inbox.put(part)
             for worker in releasers:
                 worker.inbox.put(ReleaseLease(params.request_id, 1))
+            if not parts:  # push from a rank whose shard no peer rank takes: nothing to write
+                self._forget(LoadPart(params=params, handle=handle, local=local, deadline=deadline))
+                self._results.loaded.append(handle)
         return handle
 
     def abort(self, handle: str) -> None:
@@ -256,11 +261,12 @@ class Consumer:
             del self._workers[worker.addr]
             return True
 
-    def _plan(self, peer_tp: int) -> RankPlan:
-        plan = self._plans.get(peer_tp)
+    def _plan(self, peer_tp: int, op: str) -> RankPlan:
+        plan = self._plans.get((peer_tp, op))
         if plan is None:
-            plan = rank_plan([r.shards for r in self.regions], self.world_size, self.rank, peer_tp)
-            self._plans[peer_tp] = plan
+            how = write_plan if op == "WRITE" else rank_plan
+            plan = how([r.shards for r in self.regions], self.world_size, self.rank, peer_tp)
+            self._plans[(peer_tp, op)] = plan
         return plan
 
     def _forget(self, load: LoadPart) -> None:

@@ -44,6 +44,7 @@ class Lease:
     expires_at: float
     readers: int = 1
     finished: set = field(default_factory=set)  # consumer ranks that said done or abort
+    claimants: set = field(default_factory=set)  # consumer ranks that claimed it (when they said who)
     aborted: bool = False
     claimed_until: float = 0.0
     closing: bool = False  # the engine gave it up while claimed: it ends when the claim is over
@@ -82,16 +83,17 @@ class LeaseTable:
         self._ended: dict[str, tuple[ReleaseReason, float]] = {}
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]] | Sequence[np.ndarray],
-             num_tokens: int, lease_s: float | None = None, hard: bool = False) -> Lease:
-        """Start a lease (of `lease_s`, default the table's; `hard`: claims and heartbeats never extend it);
-        a request id already held is an error."""
+             num_tokens: int, lease_s: float | None = None, hard: bool = False, readers: int = 1) -> Lease:
+        """Start a lease (of `lease_s`, default the table's; `hard`: claims and heartbeats never extend it;
+        `readers`: at least that many ranks must say done or abort); a request id already held is an error."""
         groups = tuple(np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds blocks")
             self._ended.pop(request_id, None)
             length = lease_s or self.lease_s
-            lease = Lease(request_id, groups, int(num_tokens), self._clock() + length, lease_s=length)
+            lease = Lease(request_id, groups, int(num_tokens), self._clock() + length, readers=max(1, int(readers)),
+                          lease_s=length)
             if hard:
                 lease.hard_until = lease.expires_at
             self._leases[request_id] = lease
@@ -99,9 +101,10 @@ class LeaseTable:
             self._on_change(1, None)
         return lease
 
-    def claim(self, request_ids: Iterable[str], need_s: float,
-              readers: int = 1) -> tuple[dict[str, float], dict[str, str]]:
-        """Pin live leases for a read lasting up to `need_s` (at most `max_claim_s`) by one of `readers` ranks.
+    def claim(self, request_ids: Iterable[str], need_s: float, readers: int = 1,
+              claimant: object = None) -> tuple[dict[str, float], dict[str, str]]:
+        """Pin live leases for a read lasting up to `need_s` (at most `max_claim_s`) by one of `readers` ranks
+        (`claimant`, when named: which one, so that a lease given up ends once every claimant finished).
 
         Returns (granted: seconds from now the lease is pinned for, refused: reason).
         """
@@ -122,6 +125,8 @@ class LeaseTable:
                 lease.claimed_until = max(lease.claimed_until, pinned)
                 lease.expires_at = max(lease.expires_at, pinned + self.quiesce_s)
                 lease.readers = max(lease.readers, readers)
+                if claimant is not None:
+                    lease.claimants.add(claimant)
         return granted, refused
 
     def heartbeat(self, request_ids: Iterable[str]) -> list[str]:
@@ -147,7 +152,10 @@ class LeaseTable:
             if lease is None:
                 return False
             now = self._clock()
-            if reader is None and lease.claimed_until > now:
+            # Given up, and every rank that claimed it said done or abort: none can read or write it any
+            # more (a closing lease refuses claims), so it need not wait for its claims to run out.
+            settled = bool(lease.claimants) and lease.claimants <= (lease.finished | {reader})
+            if reader is None and lease.claimed_until > now and not settled:
                 lease.closing = True
                 lease.expires_at = lease.claimed_until + self.quiesce_s
                 return True
@@ -155,7 +163,7 @@ class LeaseTable:
                 lease.readers = max(lease.readers, readers)
                 lease.finished.add(reader)
                 lease.aborted |= reason is ReleaseReason.ABORTED
-                if len(lease.finished) < lease.readers:
+                if len(lease.finished) < lease.readers and not (lease.closing and settled):
                     return True
                 reason = ReleaseReason.ABORTED if lease.aborted or lease.closing else reason
             return self._end_locked(request_id, reason, now)

@@ -6,6 +6,13 @@ The blocks are held under a lease in this instance's own producer, and that leas
 land in), the prefill's done notice ends it as loaded, its abort or
 the expiry as failed. Offers are sent from one thread, every pending one at once (`call_many`), so a
 dead or slow prefill costs the others nothing; an offer that fails ends its hold at once.
+
+Between TP sizes: the router names the prefill's TP size with its address (rank p listens on port + p),
+and every decode rank offers its blocks to every prefill rank, saying its own TP size; a prefill rank
+writes once it holds the offers of all decode ranks (`Pusher`). Each decode rank's lease expects as many
+writers as prefill ranks hold parts of its pages (`kvconnect.shards.rank_plan`), so it ends as loaded
+only once each of them said done, as failed once each said done or abort with one abort among them, or
+at its deadline (a prefill rank that died never says either), never while one may still write.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from kvconnect.errors import KVConnectError, TransferError
 from kvconnect.pd.leases import LeaseEnd, ReleaseReason
 from kvconnect.pd.failure import LoadFailure, Stage
 from kvconnect.pd.producer import Producer
+from kvconnect.shards import rank_plan
 from kvconnect.sidechannel import Target, call_many
 from kvconnect.threads import spawn
 
@@ -29,10 +37,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillAddr:
-    """Where the prefill instance of a pushed request listens (rank 0 of a TP-1 instance)."""
+    """Where the prefill instance of a pushed request listens: rank 0 at `port`, rank p at `port + p`."""
 
     host: str
     port: int
+    tp_size: int = 1
 
 
 class Offers:
@@ -53,18 +62,24 @@ class Offers:
     def expect(self, key: str, prefill: PrefillAddr, block_ids: Sequence[Sequence[int]], num_tokens: int, *,
                handle: str, timeout_s: float) -> None:
         """Hold these blocks for `timeout_s` and offer them to the prefill of `key`; never waits on the network."""
-        if self.world_size != 1:
-            raise KVConnectError(f"push mode runs between instances of TP 1, this decode runs TP {self.world_size}; "
-                                 "use pull mode")
+        if not isinstance(prefill.tp_size, int) or not 1 <= prefill.tp_size <= wire.MAX_TP:
+            raise KVConnectError(f"prefill TP size must be 1 to {wire.MAX_TP}, got {prefill.tp_size!r}")
+        if not 0 < prefill.port + prefill.tp_size - 1 <= 65535:
+            raise KVConnectError(f"prefill ranks at ports {prefill.port} to {prefill.port + prefill.tp_size - 1} "
+                                 "are out of range")
+        # Raises HandshakeError (a KVConnectError) when the two TP sizes cannot map.
+        writers = len(rank_plan([r.shards for r in self.producer.regions], self.world_size, self.rank,
+                                prefill.tp_size).reads)
         if not isinstance(key, str) or not 1 <= len(key) <= 128:
             raise KVConnectError(f"push key must be a string of 1 to 128 characters, got {key!r}")
         with self._lock:
             if handle in self._expected:
                 raise KVConnectError(f"a push with handle {handle!r} is already expected")
-            params = self.producer.hold(handle, block_ids, num_tokens, lease_s=timeout_s, hard=True)
+            params = self.producer.hold(handle, block_ids, num_tokens, lease_s=timeout_s, hard=True, readers=writers)
             self._expected[handle] = key
-        offer = wire.Offer(engine_id=self.engine_id, rank=self.rank, key=key, params=params)
-        self._outbox.put(Target(prefill.host, prefill.port, offer))
+        offer = wire.Offer(engine_id=self.engine_id, rank=self.rank, key=key, params=params, tp_size=self.world_size)
+        for p in range(prefill.tp_size):
+            self._outbox.put(Target(prefill.host, prefill.port + p, offer))
 
     def take(self, releases: list[LeaseEnd], loaded: list[str], failed: dict[str, LoadFailure],
              invalid: set[int]) -> list[LeaseEnd]:

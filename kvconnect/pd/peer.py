@@ -45,6 +45,7 @@ class _Peer:
     incarnation: str
     regions: RegionSet
     tp: int
+    writes: bool  # the pairing maps our bytes into its blocks (push), not its bytes into ours
 
 
 class PeerWorker:
@@ -140,7 +141,7 @@ class PeerWorker:
         stale = [ld for ld in loads if self.peer is None or ld.incarnation != self.peer.incarnation]
         if stale:
             try:
-                self._connect(self._left(stale), stale[0].params.tp_size)
+                self._connect(self._left(stale), stale[0].params.tp_size, stale[0].op == "WRITE")
             except (KVConnectError, ValueError) as exc:
                 for load in loads:
                     self._fail(load, Stage.HANDSHAKE, exc)
@@ -153,11 +154,14 @@ class PeerWorker:
             elif load.params.tp_size != self.peer.tp:
                 self._fail(load, Stage.PARAMS, f"params name a producer of TP {load.params.tp_size}, it runs TP "
                                            f"{self.peer.tp}", notify=False)
+            elif self.peer.tp != self.owner.world_size and (load.op == "WRITE") != self.peer.writes:
+                self._fail(load, Stage.PARAMS, "this consumer both reads and writes that peer of another TP size, "
+                                               "which is unsupported", notify=False)
             else:
                 out.append(load)
         return out
 
-    def _connect(self, left: float, peer_tp: int) -> None:
+    def _connect(self, left: float, peer_tp: int, write: bool) -> None:
         """Handshake within the loads' remaining time; a producer that cannot be reached fails sooner."""
         if left <= 0:
             raise KVConnectError("load deadline passed before the handshake")
@@ -169,11 +173,11 @@ class PeerWorker:
         if self.peer is not None and self.peer.incarnation == meta.incarnation:
             return
         pairing = check_peer(meta, self.addr, o.regions, o.group_regions, tp=o.world_size, rank=o.rank,
-                             peer_tp=peer_tp)
+                             peer_tp=peer_tp, write=write)
         peer_id = f"{self.addr}#{next(_peer_ids)}"
         o.transport.add_peer(peer_id, meta.transport_metadata, pairing)  # checked above: taken as it is
         self._drop_peer("producer restarted", kind=_RESTARTED)
-        self.peer = _Peer(peer_id, meta.incarnation, pairing.remote, meta.world_size)
+        self.peer = _Peer(peer_id, meta.incarnation, pairing.remote, meta.world_size, write)
         self.outbox.reachable()
 
     def _claim(self, loads: list[LoadPart], readers: int) -> list[LoadPart]:

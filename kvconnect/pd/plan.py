@@ -19,7 +19,7 @@ from kvconnect import wire
 from kvconnect.descriptors import CheckedIds, Pairing, Selection, check_ids, select
 from kvconnect.errors import BlockRangeError, HandshakeError, LayoutError
 from kvconnect.regions import RegionSet
-from kvconnect.shards import check_page, page_slices
+from kvconnect.shards import check_page, coalesce, page_slices
 
 
 class PeerAddr(NamedTuple):
@@ -41,9 +41,10 @@ class PeerAddr(NamedTuple):
 
 
 def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group_regions: Sequence[Sequence[int]],
-               *, tp: int = 1, rank: int = 0, peer_tp: int = 1) -> Pairing:
+               *, tp: int = 1, rank: int = 0, peer_tp: int = 1, write: bool = False) -> Pairing:
     """How the peer's regions pair with ours (whole blocks, or when its TP size differs the byte ranges it
-    supplies to each local block), once its metadata passed every check that must come before allocating for it."""
+    supplies to each local block; `write`: that each of its blocks takes from ours), once its metadata
+    passed every check that must come before allocating for it."""
     if meta.engine_id != addr.engine_id:
         raise HandshakeError(f"peer at {addr.host}:{addr.port} is engine {meta.engine_id!r}, "
                              f"the params name {addr.engine_id!r}")
@@ -57,13 +58,16 @@ def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group
         raise HandshakeError(f"peer groups its regions as {_short(theirs)}, this consumer as {_short(group_regions)}")
     regions = RegionSet.from_wire(meta.regions)
     try:
-        return Pairing(ours, regions, None if peer_tp == tp else _slices(ours, regions, tp, rank, peer_tp, addr.rank))
+        slices = None if peer_tp == tp else _slices(ours, regions, tp, rank, peer_tp, addr.rank, write)
+        return Pairing(ours, regions, slices)
     except LayoutError as exc:
         raise HandshakeError(str(exc)) from None
 
 
-def _slices(ours: RegionSet, regions: RegionSet, tp: int, rank: int, peer_tp: int, peer_rank: int) -> dict:
-    """Per region, the byte ranges peer rank `peer_rank` of `peer_tp` supplies to our rank's blocks."""
+def _slices(ours: RegionSet, regions: RegionSet, tp: int, rank: int, peer_tp: int, peer_rank: int,
+            write: bool = False) -> dict:
+    """Per region, the byte ranges peer rank `peer_rank` of `peer_tp` supplies to our rank's blocks
+    (`write`: that our rank supplies to its blocks; they differ where one side replicates parts)."""
     slices = {}
     for k, (r, mine) in enumerate(zip(regions.regions, ours.regions)):
         if mine.shards is None or r.shards is None:
@@ -71,7 +75,11 @@ def _slices(ours: RegionSet, regions: RegionSet, tp: int, rank: int, peer_tp: in
             raise HandshakeError(f"cannot map prefill TP {peer_tp} onto decode TP {tp}: region {k} ({mine.label}) "
                                  f"has no tensor-parallel split described ({whose})")
         check_page(r.shards, peer_tp, r.block_bytes, f"peer region {k} ({mine.label})")
-        slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, peer_rank)
+        if write:
+            theirs, local, length = page_slices(r.shards, peer_tp, peer_rank, mine.shards, tp, rank)
+            slices[k] = coalesce(local, theirs, length)
+        else:
+            slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, peer_rank)
     return slices
 
 

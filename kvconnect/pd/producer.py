@@ -46,22 +46,23 @@ class Producer:
         self.port = self.server.port
 
     def hold(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
-             lease_s: float | None = None, hard: bool = False) -> wire.TransferParams:
+             lease_s: float | None = None, hard: bool = False, readers: int = 1) -> wire.TransferParams:
         """Keep a request's blocks (one id list per KV group) under a lease; returns its transfer params.
 
         Pull: a finished prefill's blocks, for consumers to read. Push: blocks a decode allocated, for
-        the prefill to write (`lease_s` is then the decode's deadline, `hard`: no claim extends it).
+        the prefill to write (`lease_s` is then the decode's deadline, `hard`: no claim extends it,
+        `readers`: how many prefill ranks write it).
         """
-        return self.params_of(self.hold_lease(request_id, block_ids, num_tokens, lease_s, hard))
+        return self.params_of(self.hold_lease(request_id, block_ids, num_tokens, lease_s, hard, readers))
 
     def hold_lease(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
-                   lease_s: float | None = None, hard: bool = False) -> Lease:
+                   lease_s: float | None = None, hard: bool = False, readers: int = 1) -> Lease:
         """`hold` for an engine that hands out its own params: the lease, no params built."""
         if len(block_ids) != len(self.group_regions):
             raise BlockRangeError(f"{len(block_ids)} block-id groups given, producer has "
                                   f"{len(self.group_regions)} KV groups")
         groups = [check_ids(self.regions, ids, regions) for ids, regions in zip(block_ids, self.group_regions)]
-        return self.leases.hold(request_id, groups, num_tokens, lease_s, hard)
+        return self.leases.hold(request_id, groups, num_tokens, lease_s, hard, readers)
 
     def params_of(self, lease: Lease) -> wire.TransferParams:
         """The transfer params that name a held lease's blocks on this producer."""
@@ -113,7 +114,8 @@ class Producer:
                 why = f"producer restarted (incarnation {mine}, claim for {claimed})"
                 return wire.ClaimReply(granted_s={}, refused={rid: why for rid in msg.request_ids}, incarnation=mine)
             case wire.Claim():
-                granted, refused = self.leases.claim(msg.request_ids, msg.need_s, msg.readers)
+                granted, refused = self.leases.claim(msg.request_ids, msg.need_s, msg.readers,
+                                                     (msg.engine_id, msg.rank))
                 return wire.ClaimReply(granted_s=granted, refused=refused, incarnation=mine)
             case wire.Heartbeat():
                 live = tuple(self.leases.heartbeat(msg.request_ids))

@@ -39,9 +39,11 @@ class PushRole:
 
     # ---- decode ----
 
-    def expect(self, key: str, prefill: tuple[str, int], local_block_ids: Sequence[Sequence[int]],
-               num_tokens: int, *, handle: str, timeout_s: float | None = None) -> None:
-        """Offer these blocks to the prefill instance at (host, port) for the request the router named `key`."""
+    def expect(self, key: str, prefill: tuple[str, int] | tuple[str, int, int],
+               local_block_ids: Sequence[Sequence[int]], num_tokens: int, *, handle: str,
+               timeout_s: float | None = None) -> None:
+        """Offer these blocks to the prefill instance at (host, port[, TP size]) for the request the router
+        named `key` (its rank p listens at port + p)."""
         self.offers.expect(key, PrefillAddr(*prefill), local_block_ids, num_tokens, handle=handle,
                            timeout_s=timeout_s or self.load_timeout_s)
 

@@ -8,6 +8,12 @@ decode's lease), the deadline, the isolation per peer and the done/abort notices
 A prefill that is ready with no offer within `wait_s` gives its blocks back; an offer no prefill
 picks up is forgotten when the decode's lease runs out (the decode fails it at its own deadline).
 
+Between TP sizes, every decode rank offers to every prefill rank (`wire.Offer.tp_size`: how many decode
+ranks there are); a prefill rank waits for all of a key's offers, combines them into one set of params
+naming every decode rank, and its WRITE goes to the decode ranks whose pages take a part of its shard
+(`kvconnect.shards.write_plan`), each a part of one load: it is pushed once every part landed. A rank
+whose shard no decode rank takes is pushed at once, writing nothing.
+
 Layer-wise (`ready(..., layerwise=True)` before the forward pass that completes the prompt): each
 region is posted as soon as `regions_ready` says its layers are computed, so the WRITE runs during
 the forward pass; `regions_ready(None)` after it releases the rest.
@@ -27,6 +33,7 @@ from kvconnect.descriptors import CheckedIds
 from kvconnect.errors import KVConnectError
 from kvconnect.pd.consumer import Consumer, LoadResults
 from kvconnect.pd.fence import Fence
+from kvconnect.pd.producer import combine_ranks
 from kvconnect.sidechannel import Refusal
 
 
@@ -36,6 +43,21 @@ class PushResults:
 
     pushed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Offered:
+    """The offers of one key so far, by decode rank, and when to forget them."""
+
+    tp: int
+    engine_id: str
+    ranks: dict[int, wire.TransferParams]
+    until: float
+
+    @property
+    def complete(self) -> bool:
+        """Every decode rank offered."""
+        return len(self.ranks) == self.tp
 
 
 @dataclass
@@ -62,7 +84,7 @@ class Pusher:
         self.max_offers = max_offers
         self._clock = clock
         self._lock = threading.Lock()
-        self._offers: dict[str, tuple[wire.TransferParams, float]] = {}  # key -> params, when to forget
+        self._offers: dict[str, _Offered] = {}  # key -> the decode ranks' offers so far
         self._ready: dict[str, _Ready] = {}  # key -> the prefill waiting for its offer
         self._writing: dict[str, str] = {}  # handle -> key, while the consumer runs the WRITE
         self._streaming: dict[str, _Ready] = {}  # handle -> layer-wise pushes whose forward pass still runs
@@ -71,24 +93,33 @@ class Pusher:
     # ---- the side channel's thread ----
 
     def offer(self, msg: wire.Offer) -> None:
-        """A decode's offer: start the WRITE if the prefill is ready, else keep it (Refusal if unusable)."""
+        """A decode rank's offer: start the WRITE once the prefill is ready and every decode rank offered,
+        else keep it (Refusal if unusable)."""
         params = msg.params
-        if params.tp_size != 1 or self.consumer.world_size != 1:
-            raise Refusal("unsupported", f"push mode runs between instances of TP 1 (decode TP {params.tp_size}, "
-                          f"prefill TP {self.consumer.world_size}); use pull mode", "unsupported")
+        if params.tp_size != 1 or not 0 <= msg.rank < msg.tp_size:
+            raise Refusal("unsupported", f"an offer names one decode rank of its TP size (rank {msg.rank} of "
+                          f"{msg.tp_size}, params naming {params.tp_size} ranks)", "unsupported")
         now = self._clock()
         with self._lock:
             self._expire_locked(now)
-            if msg.key in self._offers or msg.key in self._writing.values():
+            got = self._offers.get(msg.key)
+            if msg.key in self._writing.values() or (got is not None and msg.rank in got.ranks):
                 raise Refusal("unsupported", f"key {msg.key!r} was offered already", "unsupported")
-            ready = self._ready.pop(msg.key, None)
-            if ready is None:
+            if got is not None and (got.tp, got.engine_id) != (msg.tp_size, params.engine_id):
+                raise Refusal("unsupported", f"key {msg.key!r} was offered by {got.engine_id} of TP {got.tp}, now by "
+                              f"{params.engine_id} of TP {msg.tp_size}", "unsupported")
+            if got is None:
                 if len(self._offers) >= self.max_offers:
                     raise Refusal("busy", f"{self.max_offers} offers wait for their prefill already", "busy")
-                ttl = max(0.0, params.lease_expiry - time.time())
-                self._offers[msg.key] = (params, now + min(ttl, 3600.0))
+                got = self._offers[msg.key] = _Offered(msg.tp_size, params.engine_id, {}, now + 3600.0)
+            ttl = max(0.0, params.lease_expiry - time.time())
+            got.ranks[msg.rank] = params
+            got.until = min(got.until, now + min(ttl, 3600.0))
+            if not got.complete or msg.key not in self._ready:
                 return
-        self._start(msg.key, params, ready)
+            del self._offers[msg.key]
+            ready = self._ready.pop(msg.key)
+        self._start(msg.key, got, ready)
 
     # ---- the engine's thread ----
 
@@ -107,11 +138,12 @@ class Pusher:
                            fence=None if layerwise else fence)
             if layerwise:
                 self._streaming[handle] = ready
-            offer = self._offers.pop(key, None)
-            if offer is None:
+            offer = self._offers.get(key)
+            if offer is None or not offer.complete:
                 self._ready[key] = ready
                 return
-        self._start(key, offer[0], ready)
+            del self._offers[key]
+        self._start(key, offer, ready)
 
     def regions_ready(self, regions: Sequence[int] | None, fence: Fence | None = None) -> int:
         """Layer-wise: these regions are computed for every push whose forward pass runs (None: it ended),
@@ -171,8 +203,9 @@ class Pusher:
 
     # ---- helpers ----
 
-    def _start(self, key: str, params: wire.TransferParams, ready: _Ready) -> None:
+    def _start(self, key: str, offer: _Offered, ready: _Ready) -> None:
         try:
+            params = combine_ranks([offer.ranks[r] for r in range(offer.tp)])
             local = _suffix(ready.block_ids, params.block_ids)
             with self._lock:
                 self._writing[ready.handle] = key
@@ -182,18 +215,20 @@ class Pusher:
                 with self._lock:  # from here on regions_ready forwards; what came before is in the snapshot
                     ready.started, regions, fence = True, ready.regions, ready.fence
                 self.consumer.regions_ready(ready.handle, None if regions is None else sorted(regions), fence)
-        except KVConnectError as exc:
+        except (KVConnectError, wire.WireError) as exc:
             with self._lock:
                 self._writing.pop(ready.handle, None)
                 self._streaming.pop(ready.handle, None)
                 self._results.failed[ready.handle] = f"params: {exc}"
 
     def _expire_locked(self, now: float) -> None:
-        for key in [k for k, (_, until) in self._offers.items() if until <= now]:
+        for key in [k for k, o in self._offers.items() if o.until <= now]:
             del self._offers[key]
         for key in [k for k, r in self._ready.items() if now - r.since >= self.wait_s]:
             ready = self._ready.pop(key)
-            self._results.failed[ready.handle] = f"no decode offered blocks for push {key!r} within {self.wait_s:g} s"
+            got = self._offers.get(key)
+            who = "no decode" if got is None else f"{len(got.ranks)} of {got.tp} decode ranks"
+            self._results.failed[ready.handle] = f"{who} offered blocks for push {key!r} within {self.wait_s:g} s"
 
 
 def _suffix(local: tuple[np.ndarray, ...], remote: Sequence[Sequence[int]]) -> list[np.ndarray]:

@@ -2,7 +2,8 @@
 
 In pull mode the decode request waits for the prefill's answer, which carries the transfer params.
 In push mode the router sends both at once: the prefill request carries `push_key`, the decode
-request the same key and where the prefill's side channel is, so that the decode can offer its
+request the same key and where the prefill's side channel is (rank 0's address and the prefill's
+TP size: rank r listens at port + r), so that the decode can offer its
 blocks while the prefill computes. The router learns that address once per prefill instance (a
 one-token request with `kvconnect_identify`, answered with the instance's side channel and nothing
 held) and forgets it when the instance is marked down. The prefill's answer is read in the
@@ -26,6 +27,7 @@ from kvconnect.proxy.config import COMPLETIONS
 from kvconnect.proxy.errors import ProxyError
 from kvconnect.proxy.pool import Instance, NoInstanceError
 from kvconnect.proxy.upstream import Upstream
+from kvconnect.wire import MAX_TP
 
 log = logging.getLogger("kvconnect.proxy")
 
@@ -48,7 +50,8 @@ async def start(up: Upstream, route: str, body: dict[str, Any], headers: dict[st
     up.background.add(task)
     task.add_done_callback(up.background.discard)
     return {"do_remote_prefill": True, "push_key": key, "remote_engine_id": where["remote_engine_id"],
-            "remote_host": where["remote_host"], "remote_port": where["remote_port"]}
+            "remote_host": where["remote_host"], "remote_port": where["remote_port"],
+            "remote_tp_size": where.get("tp_size", 1)}
 
 
 async def identify(up: Upstream, inst: Instance, model: Any, headers: dict[str, str],
@@ -77,10 +80,16 @@ async def identify(up: Upstream, inst: Instance, model: Any, headers: dict[str, 
         up.metrics.failures.labels("prefill", inst.url, "no_params").inc()
         raise ProxyError(502, f"prefill instance {inst.url} did not say where it listens (answer "
                               f"{resp.status_code}): is it running a kvconnect connector?")
-    if params.get("mode") != "push" or params.get("tp_size", 1) != 1:
+    tp = params.get("tp_size", 1)
+    if params.get("mode") != "push" or not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
         raise ProxyError(502, f"prefill instance {inst.url} cannot serve push mode (mode {params.get('mode')!r}, "
-                              f"TP {params.get('tp_size')}): set mode \"push\" in its kv_connector_extra_config "
-                              "(push runs between TP-1 instances), or run the router in pull mode")
+                              f"TP {tp!r}): set mode \"push\" in its kv_connector_extra_config, or run the router "
+                              "in pull mode")
+    where = [[params["remote_host"], params["remote_port"] + r] for r in range(tp)]
+    if tp > 1 and params.get("remote_ranks") != where:
+        raise ProxyError(502, f"prefill instance {inst.url} of TP {tp} does not listen at port + rank for every "
+                              f"rank (ranks at {params.get('remote_ranks')!r}): set `port` in its "
+                              "kv_connector_extra_config, or run the router in pull mode")
     up.identities[inst.url] = params
     return params
 

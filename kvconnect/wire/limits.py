@@ -21,7 +21,8 @@ from kvconnect.errors import KVConnectError
 #       rank of the producer, notices say how many consumer ranks read a lease; page bytes in the
 #       compatibility check are those of TP 1.
 #   4 - push mode: a decode instance offers its blocks to a prefill instance (`Offer`).
-PROTOCOL_VERSION = 4
+#   5 - push between TP sizes: an offer says how many ranks the decode runs (`Offer.tp_size`).
+PROTOCOL_VERSION = 5
 
 KiB = 1 << 10
 MiB = 1 << 20

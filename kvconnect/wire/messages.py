@@ -72,10 +72,13 @@ class Heartbeat(_Notice, tag="heartbeat"):
 
 class Offer(_Notice, tag="offer"):
     """Push mode: a decode rank allocated blocks for the prefill of `key` and holds them under a lease
-    (`params` name them, as a producer's params would); the prefill writes into them and says done."""
+    (`params` name them, as a producer's params would); the prefill writes into them and says done.
+    A decode of `tp_size` ranks offers from every rank to every prefill rank: each prefill rank writes
+    once it holds all `tp_size` offers of a key."""
 
     key: RequestId
     params: TransferParams
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
 
 
 ControlMessage = Union[Claim, Done, Abort, Heartbeat, Offer]

@@ -33,7 +33,8 @@ class HoldOrder(msgspec.Struct, **_Struct):
 
 
 class OfferOrder(msgspec.Struct, **_Struct):
-    """Decode, push mode: offer these blocks to the prefill at host:port for the request named `key`."""
+    """Decode, push mode: offer these blocks to the prefill at host:port (of `tp_size` ranks, rank r at
+    port + r) for the request named `key`."""
 
     request_id: str
     block_ids: list[list[int]]
@@ -41,6 +42,7 @@ class OfferOrder(msgspec.Struct, **_Struct):
     key: str
     host: str
     port: int
+    tp_size: int = 1
 
 
 class LoadOrder(msgspec.Struct, **_Struct):

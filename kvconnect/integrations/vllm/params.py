@@ -6,9 +6,10 @@ work as they are. `remote_incarnation`, `remote_lease_expiry` and `remote_ranks`
 the prefill engine as `[host, port, incarnation]`, rank 0 first) are ours.
 
 Push mode (the router sends both halves at once): the prefill's params carry `do_remote_decode` and
-`push_key`; the decode's carry `do_remote_prefill`, the same `push_key`, and `remote_host` and
-`remote_port` of the prefill's side channel, which the router learns once per prefill instance from
-a request with `kvconnect_identify` (answered with the instance's params, no blocks held).
+`push_key`; the decode's carry `do_remote_prefill`, the same `push_key`, `remote_host` and
+`remote_port` of the prefill's side channel (its rank 0) and `remote_tp_size` (its TP size, 1 if
+absent: rank r listens at port + r), which the router learns once per prefill instance from a request
+with `kvconnect_identify` (answered with the instance's params, no blocks held).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class PushSource(NamedTuple):
     key: str
     host: str
     port: int
+    tp_size: int = 1  # the prefill's TP size: its rank r listens at port + r
 
 
 def push_source(d: dict[str, Any] | None) -> PushSource | None:
@@ -67,11 +69,13 @@ def push_source(d: dict[str, Any] | None) -> PushSource | None:
     if not d or not d.get("do_remote_prefill") or "push_key" not in d:
         return None
     key, host, port = d.get("push_key"), d.get("remote_host"), d.get("remote_port")
-    if not (_is_key(key) and isinstance(host, str) and 1 <= len(host) <= 255 and isinstance(port, int)
-            and not isinstance(port, bool) and 1 <= port <= 65535):
-        raise wire.WireError("push-mode kv_transfer_params need push_key (1 to 128 characters), remote_host and "
-                             f"remote_port; got {({k: d.get(k) for k in ('push_key', 'remote_host', 'remote_port')})}")
-    return PushSource(key, host, port)
+    tp = d.get("remote_tp_size", 1)
+    if not (_is_key(key) and isinstance(host, str) and 1 <= len(host) <= 255 and _is_int(port, 1, 65535)
+            and _is_int(tp, 1, wire.MAX_TP) and port + tp - 1 <= 65535):
+        names = ("push_key", "remote_host", "remote_port", "remote_tp_size")
+        raise wire.WireError("push-mode kv_transfer_params need push_key (1 to 128 characters), remote_host, "
+                             f"remote_port and optionally remote_tp_size; got {({k: d.get(k) for k in names})}")
+    return PushSource(key, host, port, tp)
 
 
 def push_key(d: dict[str, Any] | None) -> str | None:
@@ -86,6 +90,10 @@ def push_key(d: dict[str, Any] | None) -> str | None:
 def wants_identity(d: dict[str, Any] | None) -> bool:
     """Whether a request only asks who this prefill instance is (a router learning where to push from)."""
     return bool(d) and bool(d.get("kvconnect_identify"))
+
+
+def _is_int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 def _is_key(key: object) -> bool:

@@ -169,8 +169,11 @@ class PDSchedulerBase:
         """Who this instance is, for a router that sends decode instances here in push mode."""
         if self._peer is None:
             return {"kvconnect_identify": False}
-        return {"remote_engine_id": self._peer.engine_id, "remote_host": self._peer.host,
-                "remote_port": self._peer.port, "tp_size": max(len(self._ranks), 1), "mode": self.mode}
+        out = {"remote_engine_id": self._peer.engine_id, "remote_host": self._peer.host,
+               "remote_port": self._peer.port, "tp_size": max(len(self._ranks), 1), "mode": self.mode}
+        if self._ranks:  # a push decode finds rank r at port + r: the router checks they are there
+            out["remote_ranks"] = [[r.host, r.port] for r in self._ranks]
+        return out
 
     def set_handshake(self, metadata: dict[int, KVConnectHandshake]) -> None:
         """The workers' side channels, one per TP rank, which handed-out params point decode instances at."""

@@ -80,7 +80,7 @@ class PushScheduler(PullScheduler):
         ntok = self._push_tokens(request)
         local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), ntok)
         self._meta.offers.append(OfferOrder(request_id=rid, block_ids=local, num_tokens=ntok, key=source.key,
-                                            host=source.host, port=source.port))
+                                            host=source.host, port=source.port, tp_size=source.tp_size))
 
     def _decode_finished(self, request: Request) -> None:
         from vllm.v1.request import RequestStatus

@@ -40,7 +40,8 @@ class PushWorker(PullWorker):
     def _offer(self, offer: OfferOrder) -> None:
         log.debug("kvconnect: offer %s (push %s) to %s:%s", offer.request_id, offer.key, offer.host, offer.port)
         try:
-            self.core.push_role.expect(offer.key, (offer.host, offer.port), offer.block_ids, offer.num_tokens,
+            prefill = (offer.host, offer.port, offer.tp_size)
+            self.core.push_role.expect(offer.key, prefill, offer.block_ids, offer.num_tokens,
                                        handle=offer.request_id)
         except KVConnectError as exc:
             self._refuse(offer.request_id, LoadFailure.of(Stage.OFFER, exc), f"{offer.host}:{offer.port}")
