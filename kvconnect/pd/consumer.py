@@ -87,7 +87,7 @@ class Consumer:
         self.close_timeout_s = close_timeout_s
         self.clock = clock
         self._lock = threading.Lock()
-        self._workers: dict[PeerAddr, PeerWorker] = {}
+        self._workers: dict[tuple[PeerAddr, bool], PeerWorker] = {}  # (endpoint, writes) -> its worker
         self._by_handle: dict[str, list[PeerWorker]] = {}
         self._parts: dict[str, _Parts] = {}
         self._plans: dict[tuple[int, str], RankPlan] = {}
@@ -137,8 +137,9 @@ class Consumer:
             if _lease_key(params) in self._read:
                 raise KVConnectError(f"producer request {params.request_id!r} of {params.engine_id} was read by this "
                                      "consumer already (a lease is read once)")
-            workers = [self._worker(PeerAddr.of(params, part.peer_rank)) for part in parts]
-            releasers = [self._worker(PeerAddr.of(params, p)) for p in plan.releases]
+            writes = op == "WRITE"
+            workers = [self._worker(PeerAddr.of(params, part.peer_rank), writes) for part in parts]
+            releasers = [self._worker(PeerAddr.of(params, p), writes) for p in plan.releases]
             self._by_handle[handle] = workers
             self._parts[handle] = _Parts(left=len(parts))
             self._leases[params.request_id] = handle
@@ -256,9 +257,10 @@ class Consumer:
     def retire(self, worker: PeerWorker) -> bool:
         """An idle worker asks to exit; refused when work reached it meanwhile."""
         with self._lock:
-            if not worker.inbox.empty() or self._workers.get(worker.addr) is not worker:
+            key = (worker.addr, worker.writes)
+            if not worker.inbox.empty() or self._workers.get(key) is not worker:
                 return False
-            del self._workers[worker.addr]
+            del self._workers[key]
             return True
 
     def _plan(self, peer_tp: int, op: str) -> RankPlan:
@@ -276,13 +278,13 @@ class Consumer:
         if self._leases.get(load.request_id) == load.handle:
             del self._leases[load.request_id]
 
-    def _worker(self, addr: PeerAddr) -> PeerWorker:
-        worker = self._workers.get(addr)
+    def _worker(self, addr: PeerAddr, writes: bool = False) -> PeerWorker:
+        worker = self._workers.get((addr, writes))
         if worker is None:
             if len(self._workers) >= self.max_peers:
                 raise KVConnectError(f"this consumer already talks to {self.max_peers} producers (max_peers); "
                                      f"refusing a load from {addr}")
-            worker = self._workers[addr] = PeerWorker(self, addr)
+            worker = self._workers[(addr, writes)] = PeerWorker(self, addr, writes)
         return worker
 
 

@@ -45,15 +45,17 @@ class _Peer:
     incarnation: str
     regions: RegionSet
     tp: int
-    writes: bool  # the pairing maps our bytes into its blocks (push), not its bytes into ours
 
 
 class PeerWorker:
     """The thread that serves every load from one producer endpoint."""
 
-    def __init__(self, owner: Owner, addr: PeerAddr):
+    def __init__(self, owner: Owner, addr: PeerAddr, writes: bool = False):
         self.owner = owner
         self.addr = addr
+        # WRITEs (push) and READs of one producer endpoint have workers of their own: between TP sizes
+        # the two directions pair the pages differently.
+        self.writes = writes
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.active: dict[str, LoadPart] = {}
         self.peer: _Peer | None = None
@@ -141,7 +143,7 @@ class PeerWorker:
         stale = [ld for ld in loads if self.peer is None or ld.incarnation != self.peer.incarnation]
         if stale:
             try:
-                self._connect(self._left(stale), stale[0].params.tp_size, stale[0].op == "WRITE")
+                self._connect(self._left(stale), stale[0].params.tp_size, self.writes)
             except (KVConnectError, ValueError) as exc:
                 for load in loads:
                     self._fail(load, Stage.HANDSHAKE, exc)
@@ -154,9 +156,6 @@ class PeerWorker:
             elif load.params.tp_size != self.peer.tp:
                 self._fail(load, Stage.PARAMS, f"params name a producer of TP {load.params.tp_size}, it runs TP "
                                            f"{self.peer.tp}", notify=False)
-            elif self.peer.tp != self.owner.world_size and (load.op == "WRITE") != self.peer.writes:
-                self._fail(load, Stage.PARAMS, "this consumer both reads and writes that peer of another TP size, "
-                                               "which is unsupported", notify=False)
             else:
                 out.append(load)
         return out
@@ -177,7 +176,7 @@ class PeerWorker:
         peer_id = f"{self.addr}#{next(_peer_ids)}"
         o.transport.add_peer(peer_id, meta.transport_metadata, pairing)  # checked above: taken as it is
         self._drop_peer("producer restarted", kind=_RESTARTED)
-        self.peer = _Peer(peer_id, meta.incarnation, pairing.remote, meta.world_size, write)
+        self.peer = _Peer(peer_id, meta.incarnation, pairing.remote, meta.world_size)
         self.outbox.reachable()
 
     def _claim(self, loads: list[LoadPart], readers: int) -> list[LoadPart]:
