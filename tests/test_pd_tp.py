@@ -81,6 +81,16 @@ def _pages(caches: dict[str, torch.Tensor], ids: list[int]) -> dict[str, np.ndar
     return {name: t.view(torch.uint8).reshape(t.shape[0], -1)[ids].numpy() for name, t in caches.items()}
 
 
+def assert_shard_landed(caches: dict[str, torch.Tensor], kind: str, d_tp: int, r: int, how: str) -> None:
+    """Decode rank `r` of `d_tp` holds its shard of the prefill's pages at LOCAL, and no other block was written."""
+    want = _pages(tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)[0], REMOTE[0])
+    got = _pages(caches, LOCAL[0])
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"decode rank {r} of {d_tp}, {name}: bytes differ"
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(LOCAL[0]))
+    assert not any(_pages(caches, untouched)[name].any() for name in caches), f"a block not {how} was written"
+
+
 def _run(backend, producers, made, p_tp, d_tp, kind):
     ranks = start_producer_ranks(producers, kind, p_tp)
     params = hold_everywhere(ranks, "req-tp", kind)
@@ -90,12 +100,7 @@ def _run(backend, producers, made, p_tp, d_tp, kind):
     for r, (conn, caches) in enumerate(decoders):
         fin = wait_for(conn, [f"load-{r}"])
         assert fin.loaded == [f"load-{r}"], fin.failed
-        want = _pages(tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)[0], REMOTE[0])
-        got = _pages(caches, LOCAL[0])
-        for name in want:
-            assert np.array_equal(got[name], want[name]), f"decode rank {r} of {d_tp}, {name}: bytes differ"
-        untouched = sorted(set(range(NUM_BLOCKS)) - set(LOCAL[0]))
-        assert not any(_pages(caches, untouched)[name].any() for name in caches), "a block not loaded was written"
+        assert_shard_landed(caches, kind, d_tp, r, "loaded")
     for p in ranks:
         assert p.held_blocks() == 0, "a producer rank still holds the request after every decode rank loaded it"
 
