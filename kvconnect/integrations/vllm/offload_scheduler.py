@@ -71,7 +71,8 @@ class OffloadScheduler:
         self._written_by: dict[str, set[int]] = {}  # request -> ranks done writing its store down
         self._abandoned: dict[str, StorePlan] = {}  # failed stores whose slots a rank may still read
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
-        self._below: dict[str, set[bytes]] = {}  # several groups: request -> group keys its hit brings up
+        # Several groups: request -> group keys its hit brings up (none: the load is synchronous).
+        self._below: dict[str, set[bytes]] = {}
         self._promotions: dict[str, tuple[LoadPlan, StorePlan]] = {}
         self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
         self._tier = {"tier_hits": 0, "promoted": 0, "promote_failed": 0, "written_down": 0}
@@ -152,7 +153,6 @@ class OffloadScheduler:
                 below[g] = absent & self.lower.contains(ks[start:limit])
         hits = hit_blocks([h | b for h, b in zip(host, below)], self.rules, start) if n else 0
         up = {ks[start + i] for ks, b in zip(grouped, below) for i in np.flatnonzero(b[:hits])}
-        self._matched[rid] = (hits, len(up))
         self._below[rid] = up
         return hits * self.block_size, bool(up)
 
@@ -166,7 +166,7 @@ class OffloadScheduler:
         self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
         on_host = np.fromiter((k not in below for k in want), dtype=bool, count=len(want))
         plan = self.manager.prepare_load([k for k, h in zip(want, on_host) if h])
-        if not self._matched.get(rid, (0, 0))[1]:
+        if not below:  # nothing to bring up: vLLM was told the load is synchronous
             self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
                                                         invalid_block_ids=missing.tolist(),
                                                         keys=list(plan.keys) if self._keyed else []))
@@ -179,8 +179,7 @@ class OffloadScheduler:
         self._meta.offload_loads.append(OffloadLoad(
             block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
             slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
-            fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist(),
-            keys=list(plan.keys) + list(up.keys) if self._keyed else []))
+            fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist()))
         self._promotions[rid] = (plan, up)
 
     def build_meta(self) -> KVConnectMeta:
