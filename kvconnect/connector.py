@@ -88,8 +88,9 @@ class KVConnector:
         layers = [g.layers for g in cfg.groups] if cfg.groups else [tuple(kv_caches)]
         regions = RegionSet.from_kv_caches(kv_caches, layer_groups=layers, shards=cfg.shards)
         for r in regions:
-            if r.shards is not None:
-                check_page(r.shards, cfg.world_size, r.block_bytes, f"region {r.label}")
+            for split in r.splits:
+                if split is not None:
+                    check_page(split, cfg.world_size, r.block_bytes, f"region {r.label}")
         group_regions = resolve_groups(regions, cfg.groups)
         # Per layer, the bytes of one block as a TP-1 engine would hold them: what peers of any TP size compare.
         self._page_bytes = {name: global_bytes((cfg.shards or {}).get(name), math.prod(t.shape[1:]) * t.element_size(),

@@ -111,6 +111,8 @@ class Selection:
     regions: np.ndarray
     local_ids: CheckedIds
     remote_ids: CheckedIds
+    # The KV-cache group the blocks belong to: a pairing whose regions split per group slices by it.
+    group: int = 0
 
     @property
     def blocks(self) -> int:
@@ -126,7 +128,7 @@ class Selection:
 
 
 def select(op: str, local: RegionSet, local_ids: BlockIds, remote: RegionSet, remote_ids: BlockIds,
-           regions: RegionIndices = None) -> Selection:
+           regions: RegionIndices = None, group: int = 0) -> Selection:
     """A checked selection: both id lists inside the selected regions of their side, equally long, and no
     destination block named twice (two sources landing in one block would leave whichever finished last)."""
     if op not in OPS:
@@ -143,7 +145,7 @@ def select(op: str, local: RegionSet, local_ids: BlockIds, remote: RegionSet, re
         if twice.size:
             side = "local" if op == "READ" else "remote"
             raise BlockRangeError(f"{op} names {side} block {int(twice[0])} more than once as a destination")
-    return Selection(op, local, remote, sel, lids, rids)
+    return Selection(op, local, remote, sel, lids, rids, group)
 
 
 class Pairing:
@@ -154,7 +156,7 @@ class Pairing:
         if len(local) != len(remote):
             raise LayoutError(f"local has {len(local)} regions, peer has {len(remote)}")
         self.local, self.remote = local, remote
-        self.slices: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self.slices: dict[int | tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         if slices is None:
             differ = np.flatnonzero(local.block_sizes != remote.block_sizes)
             if differ.size:
@@ -170,9 +172,10 @@ class Pairing:
         how = "whole blocks" if self.slices is None else f"slices of {len(self.slices)} regions"
         return f"<Pairing of {len(self.local)} regions, {how}>"
 
-    def select(self, op: str, local_ids: BlockIds, remote_ids: BlockIds, regions: RegionIndices = None) -> Selection:
+    def select(self, op: str, local_ids: BlockIds, remote_ids: BlockIds, regions: RegionIndices = None,
+               group: int = 0) -> Selection:
         """`select` over this pairing's two region sets."""
-        return select(op, self.local, local_ids, self.remote, remote_ids, regions)
+        return select(op, self.local, local_ids, self.remote, remote_ids, regions, group)
 
     def admit(self, selection: Selection) -> None:
         """Refuse a selection made for other region sets than this pairing's (identity, not contents)."""
@@ -187,16 +190,18 @@ class Pairing:
         if lids.size == 0 or sel.size == 0:
             return _EMPTY.copy(), _EMPTY.copy()
         if self.slices is not None:
-            return _slice_rows(self.local, lids, self.remote, rids, self.slices, sel)
+            return _slice_rows(self.local, lids, self.remote, rids, self.slices, sel, selection.group)
         starts, lengths = runs(lids, rids)
         both = self._mergeable[sel]
         return (_build(self.local, sel, lids, starts, lengths, both),
                 _build(self.remote, sel, rids, starts, lengths, both))
 
 
-def _checked_slices(local: RegionSet, remote: RegionSet, k: int,
+def _checked_slices(local: RegionSet, remote: RegionSet, key: int | tuple[int, int],
                     ranges: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One region's slices as uint64 arrays, refused when malformed or running past either side's block."""
+    """One region's slices (key: its index, or (group, index) for one group's blocks there) as uint64 arrays,
+    refused when malformed or running past either side's block."""
+    k = key[1] if isinstance(key, tuple) else key
     if not 0 <= k < len(local):
         raise LayoutError(f"slices name region {k}, outside 0..{len(local) - 1}")
     lo, ro, ln = (np.asarray(a, dtype=np.int64).reshape(-1) for a in ranges)
@@ -288,14 +293,14 @@ def _rows(rs: RegionSet, sel: np.ndarray, first: np.ndarray, count: np.ndarray) 
 
 
 def _slice_rows(local: RegionSet, lids: np.ndarray, remote: RegionSet, rids: np.ndarray,
-                slices: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]],
-                sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                slices: dict[int | tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                sel: np.ndarray, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Per selected region and block pair, the paired byte ranges; ranges that follow each other on both sides
     (and stay on one device) merge."""
     parts_l, parts_r = [], []
     lu, ru = np.asarray(lids).astype(np.uint64), np.asarray(rids).astype(np.uint64)
     for k in sel.tolist():  # one step per region: the blocks and ranges inside are numpy
-        ranges = slices.get(k)
+        ranges = slices.get((group, k), slices.get(k))
         if ranges is None or not ranges[2].size:
             continue
         lo, ro, ln = ranges

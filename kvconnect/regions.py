@@ -46,6 +46,10 @@ class Region:
     memory_kind: MemoryKind
     # How a block splits across TP ranks (kvconnect.shards); None: not described, TP sizes must match.
     shards: PageShards | None = None
+    # Where the KV-cache groups sharing this region read its blocks differently (a hybrid's attention and
+    # state layers over one tensor: each block belongs to one group at a time), the split per group index
+    # of every group that reads it, None where that group's is not described; empty otherwise.
+    group_shards: tuple[tuple[int, PageShards | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_bytes <= 0:
@@ -64,6 +68,18 @@ class Region:
         if not self.names:
             return "<unnamed>"
         return self.names[0] if len(self.names) == 1 else f"{self.names[0]} (+{len(self.names) - 1} aliases)"
+
+    def split(self, group: int) -> PageShards | None:
+        """How the blocks group `group` reads here split across TP ranks."""
+        for g, segs in self.group_shards:
+            if g == group:
+                return segs
+        return self.shards
+
+    @property
+    def splits(self) -> tuple[PageShards | None, ...]:
+        """Every way this region's blocks split, one per group that reads them differently."""
+        return tuple(s for _, s in self.group_shards) if self.group_shards else (self.shards,)
 
     @property
     def contiguous(self) -> bool:
@@ -215,7 +231,7 @@ class RegionSet:
         if layer_groups is not None:
             regions = _merge_layers(regions, layer_groups)
         if shards:
-            regions = assign_shards(regions, {r.names[0]: r for r in layers}, shards)
+            regions = assign_shards(regions, {r.names[0]: r for r in layers}, shards, layer_groups)
         rs = cls(regions)
         # A transport keeps raw addresses: the tensors must outlive the set, or it would write freed memory.
         rs._tensors = tuple(kv_caches.values())
@@ -287,9 +303,9 @@ class RegionSet:
         return tuple(wire.RegionMeta(names=tuple(r.names), base_addr=int(r.base_addr), num_blocks=int(r.num_blocks),
                                      block_bytes=int(r.block_bytes), block_stride=int(r.block_stride),
                                      device_id=int(r.device_id), memory_kind=r.memory_kind.value,
-                                     shards=None if r.shards is None else tuple(
-                                         wire.SegmentMeta(offset=s.offset, repeat=s.repeat, stride=s.stride,
-                                                          unit=s.unit, total=s.total) for s in r.shards))
+                                     shards=_segments_to_wire(r.shards),
+                                     group_shards=tuple(wire.GroupSplitMeta(group=g, shards=_segments_to_wire(s))
+                                                        for g, s in r.group_shards))
                      for r in self.regions)
 
     @classmethod
@@ -297,12 +313,22 @@ class RegionSet:
         """A peer's regions from decoded wire regions; WireError if they do not make sense together."""
         try:
             return cls([Region(tuple(r.names), r.base_addr, r.num_blocks, r.block_bytes, r.block_stride, r.device_id,
-                               MemoryKind(r.memory_kind),
-                               None if r.shards is None else tuple(
-                                   Segment(s.offset, s.repeat, s.stride, s.unit, s.total) for s in r.shards))
+                               MemoryKind(r.memory_kind), _segments_from_wire(r.shards),
+                               tuple((gs.group, _segments_from_wire(gs.shards)) for gs in r.group_shards))
                         for r in regions])
         except (LayoutError, ValueError, OverflowError) as exc:
             raise wire.WireError(f"peer regions are invalid: {exc}") from None
+
+
+def _segments_to_wire(segments: PageShards | None) -> tuple[wire.SegmentMeta, ...] | None:
+    if segments is None:
+        return None
+    return tuple(wire.SegmentMeta(offset=s.offset, repeat=s.repeat, stride=s.stride, unit=s.unit, total=s.total)
+                 for s in segments)
+
+
+def _segments_from_wire(segments: Sequence[wire.SegmentMeta] | None) -> PageShards | None:
+    return None if segments is None else tuple(Segment(s.offset, s.repeat, s.stride, s.unit, s.total) for s in segments)
 
 
 def _frozen(values, dtype) -> np.ndarray:
@@ -315,29 +341,44 @@ _MOVED_METHODS = {"validate": "kvconnect.descriptors.check_ids(region_set, block
                   "descriptors": "kvconnect.descriptors.block_rows(region_set, block_ids, regions)"}
 
 
-def assign_shards(regions: list[Region], layers: Mapping[str, Region],
-                  shards: Mapping[str, PageShards]) -> list[Region]:
+def assign_shards(regions: list[Region], layers: Mapping[str, Region], shards: Mapping[str, PageShards],
+                  layer_groups: Sequence[Sequence[str]] | None = None) -> list[Region]:
     """Each region with its split: its layers' segments, shifted to where each layer's page starts in the block.
 
-    Aliased layers (one memory, several names) must describe one split, or the region has none: it
-    then moves only between equal TP sizes.
+    Aliased layers (one memory, several names) of one group must describe one split, or that group has
+    none there: it then moves only between equal TP sizes. Where the groups reading a region describe
+    different splits (`layer_groups`: the layers of each group), the region carries one per group.
     """
     unknown = sorted(set(shards) - set(layers))
     if unknown:
         raise LayoutError(f"shards describe layers that were not registered: {unknown[:5]}")
+    group_of = {name: g for g, names in enumerate(layer_groups or ()) for name in names}
     out = []
     for r in regions:
-        by_base: dict[int, set] = {}
+        per_group: dict[int, list[str]] = {}
         for name in r.names:
-            segs = shards.get(name)
-            by_base.setdefault(layers[name].base_addr, set()).add(None if segs is None else tuple(segs))
-        if any(len(v) != 1 or None in v for v in by_base.values()):
+            per_group.setdefault(group_of.get(name, -1), []).append(name)
+        splits = {g: _split_of(r, names, layers, shards) for g, names in sorted(per_group.items())}
+        if len(set(splits.values())) == 1:
+            out.append(dataclasses.replace(r, shards=next(iter(splits.values()))))
+        elif -1 in splits:  # layers in no group beside grouped ones: resolve_groups refuses the set
             out.append(r)
-            continue
-        segments = tuple(Segment(s.offset + base - r.base_addr, s.repeat, s.stride, s.unit, s.total)
-                         for base, v in sorted(by_base.items()) for s in next(iter(v)))
-        out.append(dataclasses.replace(r, shards=segments))
+        else:
+            out.append(dataclasses.replace(r, group_shards=tuple(splits.items())))
     return out
+
+
+def _split_of(r: Region, names: Sequence[str], layers: Mapping[str, Region],
+              shards: Mapping[str, PageShards]) -> PageShards | None:
+    """The split these layers of region `r` describe together, None unless every memory has exactly one."""
+    by_base: dict[int, set] = {}
+    for name in names:
+        segs = shards.get(name)
+        by_base.setdefault(layers[name].base_addr, set()).add(None if segs is None else tuple(segs))
+    if any(len(v) != 1 or None in v for v in by_base.values()):
+        return None
+    return tuple(Segment(s.offset + base - r.base_addr, s.repeat, s.stride, s.unit, s.total)
+                 for base, v in sorted(by_base.items()) for s in next(iter(v)))
 
 
 def __getattr__(name: str) -> object:

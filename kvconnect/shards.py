@@ -7,7 +7,8 @@ into the page, every row holding this rank's parts of a dimension of `total` par
 part). An attention page `[heads, tokens, 2 * head_size]` is one segment of one row; `[tokens,
 heads, 2 * head_size]` is one segment of `tokens` rows; an MLA latent, the same on every rank, is one
 segment of one part in all (`total=1`). A rank of a TP size larger than `total` holds one part,
-replicated (vLLM's rule for fewer KV heads than ranks).
+replicated (vLLM's rule for fewer KV heads than ranks). Bytes of a page outside every segment are
+padding (a state page padded to the attention page's size): they never move between TP sizes.
 
 Between two TP sizes, each local part is read from one peer rank that holds it; `rank_plan` says
 which peer ranks a local rank reads and how many local ranks read each peer rank (a peer rank's
@@ -85,11 +86,11 @@ def check_page(segments: Sequence[Segment], tp: int, page_bytes: int, what: str)
 
 
 def global_bytes(segments: Sequence[Segment] | None, page_bytes: int, tp: int) -> int:
-    """The page's bytes as one rank of TP 1 would hold them (what two TP sizes must agree on)."""
+    """The page's content as one rank of TP 1 would hold it (what two TP sizes must agree on): every
+    segment's parts; the whole page where no split is described."""
     if not segments:
         return page_bytes
-    local = sum(s.repeat * s.parts(tp) * s.unit for s in segments)
-    return page_bytes - local + sum(s.repeat * s.total * s.unit for s in segments)
+    return sum(s.repeat * s.total * s.unit for s in segments)
 
 
 def _source(part: int, total: int, peer_tp: int, rank: int) -> int:
@@ -194,13 +195,34 @@ def attention(tokens: int, heads: int, head_bytes: int, total_heads: int, heads_
     return (Segment(offset=0, repeat=tokens, stride=heads * head_bytes, unit=head_bytes, total=total_heads),)
 
 
+def mamba2_state(heads: int, head_dim: int, d_state: int, groups: int, taps: int, conv_bytes: int, ssm_bytes: int,
+                 tp: int, channels_first: bool = False) -> PageShards:
+    """The split of a Mamba2 state page as one rank of `tp` holds it: a conv state of `taps` values over
+    channels `[x | B | C]` (`taps` rows of every channel, or with `channels_first` one run of taps per
+    channel), then the SSM state `[heads, head_dim, d_state]`; `heads` is this rank's count, x splits by
+    head, B and C by group (`groups`, model-wide; a rank of a TP size above it holds one, replicated)."""
+    x, bc = heads * head_dim, max(groups // tp, 1) * d_state
+    channels = x + 2 * bc
+    if channels_first:
+        conv = (Segment(0, 1, 0, head_dim * taps * conv_bytes, heads * tp),
+                Segment(x * taps * conv_bytes, 1, 0, d_state * taps * conv_bytes, groups),
+                Segment((x + bc) * taps * conv_bytes, 1, 0, d_state * taps * conv_bytes, groups))
+    else:
+        row = channels * conv_bytes
+        conv = (Segment(0, taps, row, head_dim * conv_bytes, heads * tp),
+                Segment(x * conv_bytes, taps, row, d_state * conv_bytes, groups),
+                Segment((x + bc) * conv_bytes, taps, row, d_state * conv_bytes, groups))
+    return (*conv, Segment(channels * taps * conv_bytes, 1, 0, head_dim * d_state * ssm_bytes, heads * tp))
+
+
 def replicated(page_bytes: int) -> PageShards:
     """A page every rank holds whole (an MLA latent): one part of `page_bytes`."""
     return (Segment(offset=0, repeat=1, stride=0, unit=page_bytes, total=1),)
 
 
-# Per region index: (local byte offsets, peer byte offsets, lengths) inside one block, as `page_slices` gives them.
-PageSlices = Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+# Per region index (or (group, region index) where a region's groups split its blocks differently): (local
+# byte offsets, peer byte offsets, lengths) inside one block, as `page_slices` gives them.
+PageSlices = Mapping[int | tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 _MOVED = {"assign_shards": "kvconnect.regions", "slice_descriptors": "kvconnect.descriptors"}
 

@@ -23,9 +23,10 @@ from tp_caches import tp_caches
 pytestmark = pytest.mark.timeout(240)
 
 # (prefill TP, decode TP, kind): head splits both ways, equal sizes above 1, KV heads fewer than the
-# ranks, a replicated latent (where only some ranks write), and a hybrid page split by channel and head.
+# ranks, a replicated latent (where only some ranks write), a hybrid page split by channel and head, and
+# a hybrid whose attention and Mamba2 groups share one region (replicated B/C parts written to every holder).
 CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-hnd-4"), (2, 2, "tp-hnd-8"), (4, 2, "tp-hnd-2"), (1, 2, "tp-nhd-8"),
-         (2, 1, "tp-mla"), (1, 2, "tp-mla"), (2, 1, "tp-hybrid")]
+         (2, 1, "tp-mla"), (1, 2, "tp-mla"), (2, 1, "tp-hybrid"), (1, 2, "tp-shared")]
 MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (1, 2, "tp-mla")]
 
 

@@ -25,22 +25,29 @@ from tp_caches import tp_caches
 NUM_BLOCKS = 64
 REMOTE = [[5, 6, 7, 20, 33, 34, 60]]
 LOCAL = [[40, 41, 2, 3, 4, 10, 63]]
+# tp-shared: its attention group reads blocks of even id, its Mamba2 group blocks of odd id, of one region.
+SHARED_REMOTE = [[6, 20, 34, 60], [5, 7, 33]]
+SHARED_LOCAL = [[40, 2, 4, 10], [41, 3, 63]]
 
 # (prefill TP, decode TP, kind): head splits both ways, identity, KV heads fewer than the TP size on
 # either side, a replicated latent, and a hybrid page whose Mamba-like states split by channel and head.
 CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-hnd-4"), (2, 2, "tp-hnd-8"), (2, 1, "tp-nhd-8"), (1, 2, "tp-nhd-8"),
          (4, 2, "tp-hnd-2"), (1, 4, "tp-hnd-2"), (2, 1, "tp-mla"), (1, 2, "tp-mla"), (2, 1, "tp-hybrid"),
-         (1, 2, "tp-hybrid")]
+         (1, 2, "tp-hybrid"), (2, 1, "tp-shared"), (1, 2, "tp-shared")]
 # Mooncake runs the same code paths above the transport: a cross-section of the cases.
-MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (2, 1, "tp-mla"), (1, 2, "tp-hybrid")]
+MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (2, 1, "tp-mla"), (1, 2, "tp-hybrid"), (2, 1, "tp-shared")]
 
 
 def _groups(kind: str) -> list[list[int]]:
-    return [LOCAL[0]] * (2 if kind == "tp-hybrid" else 1)
+    return SHARED_LOCAL if kind == "tp-shared" else [LOCAL[0]] * (2 if kind == "tp-hybrid" else 1)
 
 
 def _remote(kind: str) -> list[list[int]]:
-    return [REMOTE[0]] * (2 if kind == "tp-hybrid" else 1)
+    return SHARED_REMOTE if kind == "tp-shared" else [REMOTE[0]] * (2 if kind == "tp-hybrid" else 1)
+
+
+def _flat(groups: list[list[int]]) -> list[int]:
+    return [i for g in groups for i in g]
 
 
 def start_producer_ranks(producers, kind: str, tp: int, **kw):
@@ -83,11 +90,12 @@ def _pages(caches: dict[str, torch.Tensor], ids: list[int]) -> dict[str, np.ndar
 
 def assert_shard_landed(caches: dict[str, torch.Tensor], kind: str, d_tp: int, r: int, how: str) -> None:
     """Decode rank `r` of `d_tp` holds its shard of the prefill's pages at LOCAL, and no other block was written."""
-    want = _pages(tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)[0], REMOTE[0])
-    got = _pages(caches, LOCAL[0])
+    local = _flat(_groups(kind))
+    want = _pages(tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)[0], _flat(_remote(kind)))
+    got = _pages(caches, local)
     for name in want:
         assert np.array_equal(got[name], want[name]), f"decode rank {r} of {d_tp}, {name}: bytes differ"
-    untouched = sorted(set(range(NUM_BLOCKS)) - set(LOCAL[0]))
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
     assert not any(_pages(caches, untouched)[name].any() for name in caches), f"a block not {how} was written"
 
 
@@ -245,3 +253,25 @@ def test_layers_merged_into_one_cross_layer_region_keep_each_layers_split_at_its
     lo, ro, ln = page_slices(region.shards, 2, 1, (whole[0], Segment(4 * 16 * 128, 1, 0, 16 * 128, 4)), 1, 0)
     # Decode rank 1 of 2 reads heads 2 and 3 of each layer from the whole pages of prefill's one rank.
     assert (lo.tolist(), ro.tolist(), ln.tolist()) == ([0, 4096], [4096, 12288], [4096, 4096])
+
+
+def test_a_region_its_groups_split_differently_carries_a_split_per_group_across_the_wire():
+    from kvconnect.regions import RegionSet
+    from kvconnect.shards import attention, mamba2_state
+
+    # One tensor viewed by an attention layer (group 0) and a Mamba2 layer (group 1), as vLLM lays a hybrid.
+    raw = torch.zeros(8, 2 * 16 * 128, dtype=torch.uint8)
+    caches = {"attn": raw.view(8, 2, 16, 128), "mamba": raw.view(torch.int8).view(8, 1, 1, -1)}
+    heads, state = attention(16, 2, 128, 4, heads_outer=True), mamba2_state(4, 8, 4, 1, 3, 2, 4, tp=2)
+    rs = RegionSet.from_kv_caches(caches, layer_groups=[("attn",), ("mamba",)],
+                                  shards={"attn": heads, "mamba": state})
+    (region,) = rs.regions
+    assert region.shards is None and region.group_shards == ((0, heads), (1, state))
+    assert (region.split(0), region.split(1), region.splits) == (heads, state, (heads, state))
+    assert RegionSet.from_wire(rs.to_wire())[0].group_shards == region.group_shards
+    # One group without a split leaves that group unmapped (refused between TP sizes), the other mapped.
+    half = RegionSet.from_kv_caches(caches, layer_groups=[("attn",), ("mamba",)], shards={"attn": heads})
+    assert half[0].group_shards == ((0, heads), (1, None))
+    # Groups that agree keep one split for the region.
+    same = RegionSet.from_kv_caches(caches, layer_groups=[("attn",), ("mamba",)], shards={"attn": heads, "mamba": heads})
+    assert same[0].shards == heads and same[0].group_shards == ()

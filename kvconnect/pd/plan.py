@@ -18,8 +18,8 @@ from typing import NamedTuple, Sequence
 from kvconnect import wire
 from kvconnect.descriptors import CheckedIds, Pairing, Selection, check_ids, select
 from kvconnect.errors import BlockRangeError, HandshakeError, LayoutError
-from kvconnect.regions import RegionSet
-from kvconnect.shards import check_page, coalesce, page_slices
+from kvconnect.regions import Region, RegionSet
+from kvconnect.shards import PageShards, check_page, coalesce, page_slices
 
 
 class PeerAddr(NamedTuple):
@@ -58,29 +58,40 @@ def check_peer(meta: wire.EngineMetadata, addr: PeerAddr, ours: RegionSet, group
         raise HandshakeError(f"peer groups its regions as {_short(theirs)}, this consumer as {_short(group_regions)}")
     regions = RegionSet.from_wire(meta.regions)
     try:
-        slices = None if peer_tp == tp else _slices(ours, regions, tp, rank, peer_tp, addr.rank, write)
+        slices = None if peer_tp == tp else _slices(ours, regions, group_regions, tp, rank, peer_tp, addr.rank, write)
         return Pairing(ours, regions, slices)
     except LayoutError as exc:
         raise HandshakeError(str(exc)) from None
 
 
-def _slices(ours: RegionSet, regions: RegionSet, tp: int, rank: int, peer_tp: int, peer_rank: int,
-            write: bool = False) -> dict:
-    """Per region, the byte ranges peer rank `peer_rank` of `peer_tp` supplies to our rank's blocks
-    (`write`: that our rank supplies to its blocks; they differ where one side replicates parts)."""
-    slices = {}
+def _slices(ours: RegionSet, regions: RegionSet, group_regions: Sequence[Sequence[int]], tp: int, rank: int,
+            peer_tp: int, peer_rank: int, write: bool = False) -> dict:
+    """Per region (per group and region where its groups split it differently), the byte ranges peer rank
+    `peer_rank` of `peer_tp` supplies to our rank's blocks (`write`: that our rank supplies to its blocks;
+    they differ where one side replicates parts)."""
+    slices: dict = {}
     for k, (r, mine) in enumerate(zip(regions.regions, ours.regions)):
-        if mine.shards is None or r.shards is None:
-            whose = "ours" if mine.shards is None else "the peer's"
-            raise HandshakeError(f"cannot map prefill TP {peer_tp} onto decode TP {tp}: region {k} ({mine.label}) "
-                                 f"has no tensor-parallel split described ({whose})")
-        check_page(r.shards, peer_tp, r.block_bytes, f"peer region {k} ({mine.label})")
-        if write:
-            theirs, local, length = page_slices(r.shards, peer_tp, peer_rank, mine.shards, tp, rank)
-            slices[k] = coalesce(local, theirs, length)
-        else:
-            slices[k] = page_slices(mine.shards, tp, rank, r.shards, peer_tp, peer_rank)
+        if not (mine.group_shards or r.group_shards):
+            slices[k] = _region_slices(k, mine, r, mine.shards, r.shards, tp, rank, peer_tp, peer_rank, write)
+            continue
+        for g, sel in enumerate(group_regions):
+            if k in sel:
+                slices[(g, k)] = _region_slices(k, mine, r, mine.split(g), r.split(g), tp, rank, peer_tp, peer_rank,
+                                                write, f" for group {g}")
     return slices
+
+
+def _region_slices(k: int, mine: Region, r: Region, ours: PageShards | None, theirs: PageShards | None, tp: int,
+                   rank: int, peer_tp: int, peer_rank: int, write: bool, what: str = ""):
+    if ours is None or theirs is None:
+        whose = "ours" if ours is None else "the peer's"
+        raise HandshakeError(f"cannot map prefill TP {peer_tp} onto decode TP {tp}: region {k} ({mine.label}) "
+                             f"has no tensor-parallel split described{what} ({whose})")
+    check_page(theirs, peer_tp, r.block_bytes, f"peer region {k} ({mine.label}){what}")
+    if write:
+        remote, local, length = page_slices(theirs, peer_tp, peer_rank, ours, tp, rank)
+        return coalesce(local, remote, length)
+    return page_slices(ours, tp, rank, theirs, peer_tp, peer_rank)
 
 
 def _short(groups: Sequence[Sequence[int]]) -> str:
@@ -112,7 +123,7 @@ def selections(op: str, params: wire.TransferParams, ours: RegionSet, local: Seq
     out = []
     for g, (lids, rids, sel) in enumerate(zip(local, params.block_ids, group_regions)):
         try:
-            out.append(select(op, ours, lids, peer, rids[len(rids) - lids.size:], sel))
+            out.append(select(op, ours, lids, peer, rids[len(rids) - lids.size:], sel, group=g))
         except BlockRangeError as exc:
             raise BlockRangeError(f"group {g}: block ids rejected: {exc}") from None
     return tuple(out)

@@ -24,7 +24,7 @@ from kvconnect.wire.messages import (
     HandshakeRequest, Heartbeat, Offer, RejectionReason, ReplyBody, ReplyEnvelope, RequestBody, RequestEnvelope,
 )
 from kvconnect.wire.metadata import (
-    Compat, EngineMetadata, GroupCompat, RegionMeta, SegmentMeta, process_incarnation,
+    Compat, EngineMetadata, GroupCompat, GroupSplitMeta, RegionMeta, SegmentMeta, process_incarnation,
 )
 from kvconnect.wire.params import (
     RankAddr, TransferParams, transfer_params_from_builtins, transfer_params_to_builtins,
@@ -36,7 +36,7 @@ __all__ = [
     "MAX_SEGMENTS", "MAX_TP", "MAX_TRANSFER_PARAMS_BYTES", "MAX_TRANSPORT_METADATA_BYTES", "METADATA",
     "PROTOCOL_VERSION", "REPLY", "REPLY_ENVELOPE", "REPLY_TYPE", "REQUEST", "REQUEST_ENVELOPE", "TRANSFER_PARAMS",
     "Abort", "Ack", "Buffer", "Claim", "ClaimReply", "Codec", "Compat", "ControlMessage", "Done", "EngineMetadata",
-    "GroupCompat", "HandshakeRejection", "HandshakeReply", "HandshakeRequest", "Heartbeat", "KiB",
+    "GroupCompat", "GroupSplitMeta", "HandshakeRejection", "HandshakeReply", "HandshakeRequest", "Heartbeat", "KiB",
     "MemoryKindName", "MiB", "Offer", "RankAddr", "RegionMeta", "RejectionReason", "ReplyBody", "ReplyEnvelope",
     "RequestBody", "RequestEnvelope", "SegmentMeta", "TransferParams", "WireError", "checked_params",
     "metadata_reply", "probe_protocol_version", "process_incarnation", "transfer_params_from_builtins",

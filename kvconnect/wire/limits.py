@@ -22,7 +22,9 @@ from kvconnect.errors import KVConnectError
 #       compatibility check are those of TP 1.
 #   4 - push mode: a decode instance offers its blocks to a prefill instance (`Offer`).
 #   5 - push between TP sizes: an offer says how many ranks the decode runs (`Offer.tp_size`).
-PROTOCOL_VERSION = 5
+#   6 - a region that KV-cache groups read with different splits carries one per group
+#       (`RegionMeta.group_shards`); bytes outside every segment of a split are padding.
+PROTOCOL_VERSION = 6
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -26,6 +26,13 @@ class SegmentMeta(Struct, array_like=True, **STRUCT_CONFIG):
     total: Annotated[int, Meta(ge=1, le=1 << 20)]
 
 
+class GroupSplitMeta(Struct, array_like=True, **STRUCT_CONFIG):
+    """How the blocks one KV-cache group reads in a shared region split across TP ranks (None: not described)."""
+
+    group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)]
+    shards: Annotated[tuple[SegmentMeta, ...], Meta(min_length=1, max_length=MAX_SEGMENTS)] | None
+
+
 class RegionMeta(Struct, **STRUCT_CONFIG):
     """One registered memory region as it crosses the wire (mirrors `kvconnect.regions.Region`)."""
 
@@ -38,9 +45,14 @@ class RegionMeta(Struct, **STRUCT_CONFIG):
     memory_kind: MemoryKindName
     # How a page splits across TP ranks; None when the engine described no split (TP sizes must match).
     shards: Annotated[tuple[SegmentMeta, ...], Meta(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    # Per group, where the groups sharing this region read its blocks with different splits.
+    group_shards: Annotated[tuple[GroupSplitMeta, ...], Meta(max_length=MAX_KV_GROUPS)] = ()
 
     def __post_init__(self) -> None:
         # Cross-field checks; during decoding msgspec turns this ValueError into a ValidationError.
+        if self.group_shards and (self.shards is not None or len({g.group for g in self.group_shards})
+                                  != len(self.group_shards)):
+            raise ValueError("group_shards name a group twice, or come beside a region-wide split")
         if self.num_blocks > 1 and self.block_stride < self.block_bytes:
             raise ValueError(f"block_stride {self.block_stride} < block_bytes {self.block_bytes}")
         span = (self.num_blocks - 1) * self.block_stride + self.block_bytes

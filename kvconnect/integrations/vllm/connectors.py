@@ -38,7 +38,7 @@ from kvconnect.integrations.vllm.push_worker import LayerwisePushWorker, PushWor
 from kvconnect.integrations.vllm.prom import KVConnectProm
 from kvconnect.integrations.vllm.stats import KVConnectStats, scheduler_stats
 from kvconnect.integrations.vllm.tiers import tier_namespace
-from kvconnect.integrations.vllm.tp import layer_shards, tp_rank, tp_size
+from kvconnect.integrations.vllm.tp import layer_shards, state_split, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -155,10 +155,11 @@ class _PDConnector(_Facade):
         else:
             layout = _layout(vllm_config, kv_cache_config)
             total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+            state = state_split(vllm_config, tp)
             self.worker = worker_role(config, engine_id=engine_id, role=our_role, backend=self.backend,
                                       block_size=block_size, layout=layout, groups=groups.groups, rank=tp_rank(),
                                       world_size=tp, shards_of=lambda caches: layer_shards(kv_cache_config, caches,
-                                                                                          total_heads, layout))
+                                                                                          total_heads, layout, state))
         self._groups = groups
 
     def on_new_request(self, request: Request) -> None:

@@ -3,18 +3,22 @@
 vLLM shards attention KV by KV head (a rank of a TP size above the head count holds one head,
 replicated) and keeps an MLA latent whole on every rank. The split is described here, per layer,
 from the registered tensor and its group's spec, for the core to pair pages between TP sizes
-(`kvconnect.shards`). State layers (Mamba, short conv, GDN) get none: vLLM lays a hybrid model's
-attention and state pages in tensors the groups share, one region read two ways, and a region has
-one split. They move only between equal TP sizes; other pairs are refused naming both sizes.
+(`kvconnect.shards`). vLLM lays a hybrid model's attention and state pages in tensors the groups
+share; the core keeps one split per group there. A Mamba2 state page is described from its spec's
+shapes and the model's group count: the conv state's channels (x by head, then B and C by group,
+replicated as vLLM replicates a single group) and the SSM state by head; the padding after them
+never moves. Other state layers (Mamba1, short conv, GDN) get none: they move only between equal TP
+sizes, and other pairs are refused naming both sizes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvconnect.shards import PageShards, attention, replicated
+from kvconnect.shards import PageShards, attention, mamba2_state, replicated
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,9 +44,32 @@ def tp_rank() -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class StateSplit:
+    """What a Mamba2 state page's split needs beyond its spec: the TP size, the model's B/C group count
+    and whether the conv state is stored channels first (vLLM's "DS" layout)."""
+
+    tp: int
+    groups: int
+    conv_dim_first: bool = False
+
+
+def state_split(vllm_config: VllmConfig, tp: int) -> StateSplit | None:
+    """The model's Mamba2 state facts, None for a model without them."""
+    hf = getattr(vllm_config.model_config, "hf_text_config", None) or vllm_config.model_config.hf_config
+    groups = next((getattr(hf, k) for k in ("mamba_n_groups", "n_groups", "mamba_ngroups") if getattr(hf, k, None)),
+                  None)
+    if not isinstance(groups, int) or groups < 1:
+        return None
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return StateSplit(tp=tp, groups=groups, conv_dim_first=bool(is_conv_state_dim_first()))
+
+
 def layer_shards(kv_cache_config: KVCacheConfig | None, kv_caches: dict[str, torch.Tensor], total_heads: int,
-                 layout: str) -> dict[str, PageShards]:
-    """Per attention layer, how its registered pages split by KV head (`layout`: LBHNC or LBNHC)."""
+                 layout: str, state: StateSplit | None = None) -> dict[str, PageShards]:
+    """Per layer, how its registered pages split: attention by KV head (`layout`: LBHNC or LBNHC), Mamba2
+    state pages by head and group when `state` is given."""
     out: dict[str, PageShards] = {}
     for group in getattr(kv_cache_config, "kv_cache_groups", ()) or ():
         spec = group.kv_cache_spec
@@ -50,9 +77,30 @@ def layer_shards(kv_cache_config: KVCacheConfig | None, kv_caches: dict[str, tor
             tensor = kv_caches.get(name)
             if tensor is not None:
                 split = _split(spec, tensor, total_heads, layout)
+                if split is None and state is not None:
+                    split = mamba2_split(spec, tensor[0].numel() * tensor.element_size(), state)
                 if split is not None:
                     out[name] = split
     return out
+
+
+def mamba2_split(spec: Any, page: int, state: StateSplit) -> PageShards | None:
+    """The split of a Mamba2 state page from its spec's shapes (conv state, SSM state) as this rank of
+    `state.tp` holds them; None for another kind of state or shapes that do not add up."""
+    kind = getattr(getattr(spec, "mamba_type", None), "name", None)
+    shapes, dtypes = getattr(spec, "shapes", ()), getattr(spec, "dtypes", ())
+    if kind != "MAMBA2" or len(shapes) != 2 or len(dtypes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return None
+    tp, groups = state.tp, state.groups
+    if groups % tp and groups != 1:  # vLLM replicates a single group only
+        return None
+    heads, head_dim, d_state = shapes[1]
+    channels, taps = shapes[0] if state.conv_dim_first else shapes[0][::-1]
+    if channels != heads * head_dim + 2 * max(groups // tp, 1) * d_state:
+        return None
+    conv_bytes, ssm_bytes = (torch.empty(0, dtype=d).element_size() for d in dtypes)
+    split = mamba2_state(heads, head_dim, d_state, groups, taps, conv_bytes, ssm_bytes, tp, state.conv_dim_first)
+    return split if split[-1].offset + heads * split[-1].unit <= page else None
 
 
 def _split(spec: Any, tensor: torch.Tensor, total_heads: int, layout: str) -> PageShards | None:
