@@ -37,6 +37,11 @@ offload_misses = Counter("kvconnect_offload_misses", "Blocks not found in the CP
 offload_evictions = Counter("kvconnect_offload_evictions", "Blocks evicted from the CPU tier")
 tier_pages = Counter("kvconnect_offload_tier_pages", "Pages through the lower offload tiers, by tier and event "
                      "(stored, store_failed, loaded, missed, rejected)", ["tier", "event"])
+# Under vLLM, from the offload workers' connector stats (TP rank 0); their difference is the time loads saved.
+offload_load_seconds = Counter("kvconnect_offload_load_seconds", "Seconds offload loads took, start to usable blocks")
+offload_recompute_est_seconds = Counter(
+    "kvconnect_offload_recompute_est_seconds",
+    "Estimated seconds the engine would have spent computing the tokens offload loads brought (its measured rate)")
 
 
 # Every metric defined above, and only those: collecting the whole default registry every engine step

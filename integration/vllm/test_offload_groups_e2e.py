@@ -121,6 +121,10 @@ def test_a_two_group_model_is_served_from_the_host_tier_with_the_tokens_of_a_pla
     assert served.after["failed_loads"] == 0
     per_group = [sum(kind == k for k, _, _ in want) for kind in ("sliding", "full")]
     assert [a - b for a, b in zip(served.after["group_hits"], served.before.get("group_hits", [0, 0]))] == per_group
+    # The loads were timed and credited against recomputing their tokens at the rate the first pass measured.
+    assert served.after["seconds_per_token_est"] > 0
+    assert served.after["load_seconds"] > served.before["load_seconds"]
+    assert served.after["load_saved_seconds_est"] != served.before["load_saved_seconds_est"]  # any sign
 
 
 @pytest.mark.parametrize("engine", ["b", "c"], ids=["another-instance-on-the-store", "a-restart-on-the-disk"])
@@ -131,6 +135,8 @@ def test_a_new_engine_brings_every_needed_group_block_up_from_below(served, engi
     want = len(_expected(served.prompts))
     assert after["tier_hits"] == after["promoted"] == want and sum(after["group_hits"]) == want
     assert after["promote_failed"] == 0 and after["failed_loads"] == 0
+    # Loads before the engine timed a step are credited once it has: a fresh engine's estimate too.
+    assert after["load_seconds"] > 0 and after["load_saved_seconds_est"] != 0  # any sign
 
 
 @pytest.mark.parametrize("engine", ["a", "b", "c"])

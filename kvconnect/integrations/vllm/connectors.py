@@ -242,7 +242,7 @@ class KVConnectOffload(_Facade):
             raise ValueError(f"{name}: kv_connector_extra_config['tiers']: {exc}") from exc
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_meta()
+        return self.scheduler.build_meta(scheduler_output)
 
     def offload_stats(self) -> dict[str, Any]:
         """The tier's counters (scheduler side): lookups, hits, misses, stores, loads, bytes..."""

@@ -82,6 +82,7 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     fetch_from: int = 0
     invalid_block_ids: list[int] = []
     keys: list[bytes] = []  # with KVCONNECT_DUMP_DIR (tests): the key of each of `block_ids`
+    tokens: int = 0  # prompt tokens vLLM skips computing when the load succeeds (its recompute-time credit)
 
 
 class OffloadStore(msgspec.Struct, **_Struct):
@@ -105,6 +106,7 @@ class KVConnectMeta(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)
     offload_loads: list[OffloadLoad] = field(default_factory=list)
     offload_stores: list[OffloadStore] = field(default_factory=list)
+    seconds_per_token: float = 0.0  # the engine's measured compute rate (0: none yet), to credit loads with
 
 
 @dataclass

@@ -36,7 +36,12 @@ from kvconnect.integrations.vllm.offload_groups import group_blocks, group_keys,
 from kvconnect.integrations.vllm.tiers import lower_index
 from kvconnect.offload.keys import block_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
+from kvconnect.offload.recompute import ComputeRate
 from kvconnect.offload.tiers import leading
+
+# What the workers report about each load (TP rank 0's measure): seconds it took, and against
+# recomputing its tokens at the engine's rate, the estimated compute time and what was saved.
+_LOAD_KEYS = ("load_seconds", "load_recompute_seconds_est", "load_saved_seconds_est")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -76,6 +81,9 @@ class OffloadScheduler:
         self._promotions: dict[str, tuple[LoadPlan, StorePlan]] = {}
         self._writing: dict[str, tuple[bytes, ...]] = {}  # request -> keys pinned until written down
         self._tier = {"tier_hits": 0, "promoted": 0, "promote_failed": 0, "written_down": 0}
+        self.rate = ComputeRate()
+        # What the workers credited their loads with, summed, and the rate they were last credited at.
+        self._loads = {**dict.fromkeys(_LOAD_KEYS, 0.0), "seconds_per_token_est": 0.0}
 
     def _keys_of(self, request: Request) -> list[list[bytes]]:
         """The prompt's block keys per group (group 0's are the token blocks' own)."""
@@ -130,7 +138,8 @@ class OffloadScheduler:
         plan = self.manager.prepare_load(keys[start:start + hits])
         if hits == nblk:
             self._meta.offload_loads.append(OffloadLoad(block_ids=ids, slots=plan.slots.tolist(),
-                                                        keys=list(plan.keys) if self._keyed else []))
+                                                        keys=list(plan.keys) if self._keyed else [],
+                                                        tokens=num_external_tokens))
             self._pending_loads.append(plan)
             return
         up = self.manager.prepare_store(keys[start + hits:start + nblk], leading=True)
@@ -138,7 +147,7 @@ class OffloadScheduler:
         self._tier["tier_hits"] += nblk - hits
         self._meta.offload_loads.append(OffloadLoad(
             block_ids=ids[:got], slots=plan.slots.tolist() + up.slots.tolist(), request_id=request.request_id,
-            fetch_keys=list(up.keys), fetch_from=hits, invalid_block_ids=ids[got:]))
+            fetch_keys=list(up.keys), fetch_from=hits, invalid_block_ids=ids[got:], tokens=num_external_tokens))
         self._promotions[request.request_id] = (plan, up)
 
     def _group_match(self, rid: str, grouped: list[list[bytes]], start: int, limit: int) -> tuple[int, bool]:
@@ -169,7 +178,8 @@ class OffloadScheduler:
         if not below:  # nothing to bring up: vLLM was told the load is synchronous
             self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
                                                         invalid_block_ids=missing.tolist(),
-                                                        keys=list(plan.keys) if self._keyed else []))
+                                                        keys=list(plan.keys) if self._keyed else [],
+                                                        tokens=nblk * self.block_size))
             self._pending_loads.append(plan)
             return
         # Promised as asynchronous: a load with the request's id, reported when its pages came up.
@@ -179,18 +189,25 @@ class OffloadScheduler:
         self._meta.offload_loads.append(OffloadLoad(
             block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
             slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
-            fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist()))
+            fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist(),
+            tokens=nblk * self.block_size))
         self._promotions[rid] = (plan, up)
 
-    def build_meta(self) -> KVConnectMeta:
-        """This step's loads and stores."""
+    def build_meta(self, scheduler_output: Any = None) -> KVConnectMeta:
+        """This step's loads and stores, and the engine's compute rate (vLLM's SchedulerOutput: its tokens)."""
         meta, self._meta = self._meta, KVConnectMeta()
+        # A step with copies would count them as compute; without vLLM's output the step is not timed.
+        self.rate.built(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+                        not (meta.offload_loads or meta.offload_stores))
+        meta.seconds_per_token = self.rate.seconds_per_token
         self._load_batches.append(self._pending_loads)
         self._pending_loads = []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The oldest step's loads ran: unpin them; stores the worker finished are published."""
+        self.rate.ran()
+        self._add_load_credits(getattr(getattr(output, "kv_connector_stats", None), "data", None) or {})
         if self._load_batches:
             for plan in self._load_batches.pop(0):
                 self.manager.complete_load(plan, True)
@@ -235,6 +252,13 @@ class OffloadScheduler:
             self.lower.update(meta.disk_stored, meta.disk_gone)
         self._stats_file.write(self.stats())
 
+    def _add_load_credits(self, worker: dict[str, Any]) -> None:
+        """Sum what the workers credited this step's loads with, and note the rate they were credited at."""
+        if any(k in worker for k in _LOAD_KEYS):
+            for k in _LOAD_KEYS:
+                self._loads[k] += float(worker.get(k, 0.0))
+            self._loads["seconds_per_token_est"] = self.rate.seconds_per_token
+
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Store the full blocks of a finished request that the tier does not hold yet."""
         rid = request.request_id
@@ -265,6 +289,7 @@ class OffloadScheduler:
         """The tier's counters: lookups, hits, misses, stores, loads, evictions, bytes, resident, capacity..."""
         s = self.manager.stats()
         out = {f: getattr(s, f) for f in s.__dataclass_fields__}
+        out.update(self._loads)
         if self.lower is not None:
             out.update(self._tier, disk_pages=self.lower.disk_keys(), bytes_stored_per_block=self.manager.slot_bytes,
                        bytes_promoted=self._tier["promoted"] * self.manager.slot_bytes)

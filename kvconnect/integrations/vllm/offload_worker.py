@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ from kvconnect.integrations.vllm.tiers import make_tiers
 from kvconnect.offload.jobs import JobRunner, OffloadJob
 from kvconnect.offload.keys import shard_keys
 from kvconnect.offload.mover import BlockMover
+from kvconnect.offload.recompute import saved_seconds
 from kvconnect.offload.tiers import PoolView, leading
 from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.offload.tiers.disk import DiskTier
@@ -36,13 +38,16 @@ from kvconnect.regions import RegionSet
 
 log = logging.getLogger("kvconnect.vllm")
 
+_UNRATED_MAX = 1024  # loads kept for the estimate until the engine has a rate (the rest get none)
+
 
 class OffloadWorker:
     """Runs one engine worker's tier copies."""
 
     def __init__(self, *, num_slots: int, slot_bytes: int, timeout_s: float, connector: str,
                  tiers: Sequence[TierConfig] = (), namespace: bytes = b"", tp: int = 1, rank: int = 0,
-                 shard: bytes = b"", check_split: Callable[[dict[str, torch.Tensor]], None] | None = None):
+                 shard: bytes = b"", check_split: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.num_slots = num_slots
         self.rank, self.tp = rank, tp
         self._dump: PageDump | None = None  # a test-only window on the pages (KVCONNECT_DUMP_DIR)
@@ -65,6 +70,10 @@ class OffloadWorker:
         self._failed_fetches: set[str] = set()
         self._written: set[tuple[str, int]] = set()
         self._fetched = 0
+        self._clock = clock
+        self._rate = 0.0  # seconds per token, as the scheduler last measured it
+        self._timed: list[tuple[int, float]] = []  # asynchronous loads ended: (tokens saved, seconds)
+        self._unrated: list[tuple[int, float]] = []  # loads timed before the engine had a rate
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Allocate the host pool for these caches (one slot holds one block of every region)."""
@@ -83,6 +92,11 @@ class OffloadWorker:
 
     def start(self, meta: KVConnectMeta) -> None:
         """Before the forward pass: load the planned hits into their blocks."""
+        self._rate = meta.seconds_per_token or self._rate
+        if self._rate > 0 and self._unrated:
+            unrated, self._unrated = self._unrated, []
+            for tokens, seconds in unrated:
+                self._estimate(tokens, seconds)
         for load in meta.offload_loads:
             if load.request_id:
                 self._fetch(load)
@@ -91,15 +105,33 @@ class OffloadWorker:
             if load.invalid_block_ids:  # allocated, but the tier holds no page for them: vLLM recomputes
                 with self._lock:
                     self._invalid.update(load.invalid_block_ids)
+            began = self._clock()
             try:
                 self._mover.load(np.asarray(load.slots, dtype=np.int64), ids, self._mover.engine_event(),
                                  self.timeout_s)
                 self._stats.add(blocks_loaded=len(ids))
                 self._dump_pages("loaded", load.keys, load.block_ids)
+                self._credit(0 if load.invalid_block_ids else load.tokens, self._clock() - began)
             except Exception as exc:  # the blocks are recomputed by vLLM: report them, keep serving
                 log.warning("kvconnect offload: load of %d blocks failed: %s", len(ids), exc)
                 with self._lock:
                     self._invalid.update(load.block_ids)
+                self._credit(0, self._clock() - began)
+
+    def _credit(self, tokens: int, seconds: float) -> None:
+        """Count a load's seconds and what it saved against recomputing `tokens` (none when any of its
+        blocks is recomputed), once the engine has a rate; TP rank 0 speaks for the engine."""
+        if self.rank != 0:
+            return
+        self._stats.add(load_seconds=seconds)
+        if self._rate > 0:
+            self._estimate(tokens, seconds)
+        elif len(self._unrated) < _UNRATED_MAX:  # a fresh engine's first loads come before any timed step
+            self._unrated.append((tokens, seconds))
+
+    def _estimate(self, tokens: int, seconds: float) -> None:
+        self._stats.add(load_recompute_seconds_est=tokens * self._rate,
+                        load_saved_seconds_est=saved_seconds(tokens, seconds, self._rate))
 
     def after_forward(self, meta: KVConnectMeta) -> None:
         """After the forward pass: copy finished requests' blocks into their slots."""
@@ -142,6 +174,7 @@ class OffloadWorker:
         slots = np.asarray(load.slots, dtype=np.int64)
         ids = np.asarray(load.block_ids, dtype=np.int64)
         after = self._mover.engine_event()
+        began = self._clock()
         # Blocks whose bytes are in the engine's blocks: none until the copy returned. Whatever fails
         # before (a tier raising, the copy failing) leaves every block of the load invalid.
         usable = [0]
@@ -165,6 +198,8 @@ class OffloadWorker:
                 self._invalid.update(load.invalid_block_ids)
                 self._recved.add(load.request_id)
                 self._fetched += usable[0]
+                whole = err is None and not load.invalid_block_ids
+                self._timed.append((load.tokens if whole else 0, self._clock() - began))
 
         self._fetcher.submit(OffloadJob("load", tuple(load.fetch_keys), ids, 0, work, finish))
 
@@ -178,7 +213,10 @@ class OffloadWorker:
         with self._lock:
             done, self._recved = self._recved, set()
             fetched, self._fetched = self._fetched, 0
+            timed, self._timed = self._timed, []
         self._stats.add(blocks_loaded=fetched)  # StepStats is the engine thread's alone
+        for tokens, seconds in timed:
+            self._credit(tokens, seconds)
         return done
 
     def worker_meta(self) -> KVConnectWorkerMeta | None:

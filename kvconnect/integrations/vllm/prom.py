@@ -5,7 +5,8 @@ vLLM hands every step's connector stats to the API server process and asks the c
 metrics (`kvconnect.metrics`, the default registry that vLLM's /metrics serves), so the names, types
 and labels are those of every other kvconnect process: counters and histograms grow by the reported
 increments, a gauge is set to the sum of each engine process's latest value. Samples from this very
-process are skipped (it counts them live), and so is anything that is not one of our samples.
+process are skipped (it counts them live), and so is anything that is not one of our samples, except
+the offload workers' load timings (`_WORKER_COUNTERS`), which are counts of theirs rather than samples.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+# Offload worker counts (plain keys, summed over steps) that feed a counter of ours.
+_WORKER_COUNTERS = {"load_seconds": metrics.offload_load_seconds,
+                    "load_recompute_seconds_est": metrics.offload_recompute_est_seconds}
+
+
 class KVConnectProm(KVConnectorPromMetrics):
     """Records kvconnect's connector stats into kvconnect's Prometheus metrics in vLLM's API server."""
 
@@ -35,6 +41,8 @@ class KVConnectProm(KVConnectorPromMetrics):
         """Add one step's increments and gauge values (engines are added up, not labelled)."""
         buckets: dict[tuple[Any, tuple], dict[float, float]] = {}
         for key, value in (transfer_stats_data or {}).items():
+            if key in _WORKER_COUNTERS and isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+                _WORKER_COUNTERS[key].inc(value)
             sample, _, src = str(key).rpartition(AT)
             if not sample or src == self._here or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue  # an event count (loads_ok...), a sample counted live here, or not a number

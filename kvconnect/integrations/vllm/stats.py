@@ -90,7 +90,7 @@ class StepStats:
         self._with_metrics = with_metrics
         self._pending = KVConnectStats()
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: int | float) -> None:
         """Count events of this step (zero counts are dropped)."""
         data = {k: v for k, v in counts.items() if v}
         if data:
