@@ -37,6 +37,16 @@ def test_bench_transfer_in_a_tiny_configuration_verifies_every_byte(backend) -> 
     assert r["held_blocks_after"] == 0
 
 
+def test_bench_transfer_pushes_between_tp_sizes_beside_the_pull_and_verifies_every_byte() -> None:
+    out = _kvconnect("bench", "transfer", "--preset", "llama3-70b-tp8", "--tokens", "64", "--requests", "2",
+                     "--prefill-tp", "2", "--decode-tp", "1", "--mode", "push", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["verified"] is True and r["failed"] == 0 and r["mode"] == "push"
+    assert r["push_gbps"] > 0 and r["gbps"] > 0 and r["one_to_one_gbps"] > 0
+    assert r["push_ratio_vs_pull"] == pytest.approx(r["push_gbps"] / r["gbps"])
+
+
 def test_bench_transfer_draws_its_plot(tmp_path) -> None:
     png = tmp_path / "transfer.png"
     out = _kvconnect("bench", "transfer", "--preset", "llama3-70b-tp8", "--requests", "1", "--concurrency", "1",

@@ -41,6 +41,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     (["bench", "transfer", "--prefill-tp", "2"], "--prefill-tp needs --decode-tp"),
     (["bench", "transfer", "--decode-tp", "2"], "--decode-tp needs --prefill-tp"),
     (["bench", "transfer", "--prefill-tp", "2", "--decode-tp", "1", "--plot", "x.png"], "--plot sweeps a 1 -> 1 pull"),
+    (["bench", "transfer", "--mode", "push"], "--mode push runs between TP sizes"),
     (["bench", "nosuch"], "unknown benchmark 'nosuch'"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"], "--port: must be in 1..65535"),
     (["proxy", "--prefill", "http://a:1", "--decode", "http://b:2", "--host", "0.0.0.0"], "0.0.0.0"),

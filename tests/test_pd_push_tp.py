@@ -9,13 +9,13 @@ must stay zero, and nothing may be held on either side.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from conftest import PRODUCER_SEED, wait_for
 from kvconnect.shards import attention, rank_plan, replicated, write_plan
+from kvconnect.workload.tp import consecutive_ports
 from test_pd_push import pushes
 from test_pd_tp import LOCAL, NUM_BLOCKS, REMOTE, _groups, _remote, assert_shard_landed, decode_ranks
 from tp_caches import tp_caches
@@ -30,32 +30,11 @@ CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-hnd-4"), (2, 2, "tp-hnd-8"), (4, 2, "tp-
 MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (1, 2, "tp-mla")]
 
 
-def _free_ports(host: str, n: int) -> int:
-    """A base port with `n` free ports from it (a prefill's rank r listens at base + r)."""
-    for _ in range(50):
-        held = []
-        try:
-            with socket.socket() as first:
-                first.bind((host, 0))
-                base = first.getsockname()[1]
-            for p in range(base, base + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on {host}")
-
-
 def prefill_ranks(producer_processes, backend: str, kind: str, tp: int):
     """One push-mode prefill process per TP rank, rank r at base port + r."""
     from pd_peer import Topology
 
-    base = _free_ports(Topology.from_env().producer_host, tp)
+    base = consecutive_ports(Topology.from_env().producer_host, tp)
     ranks = [producer_processes(kind, NUM_BLOCKS, PRODUCER_SEED, engine_id="prefill-tp", rank=r, world_size=tp,
                                 backend=backend, push=True, port=base + r) for r in range(tp)]
     assert [p.port for p in ranks] == list(range(base, base + tp))

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tp = parser.add_argument_group("between TP sizes (--prefill-tp and --decode-tp, both given)")
     tp.add_argument("--prefill-tp", type=positive_int, help="prefill ranks (one process each)")
     tp.add_argument("--decode-tp", type=positive_int, help="decode ranks (connectors in this process)")
+    tp.add_argument("--mode", choices=["pull", "push"], default="pull",
+                    help="push: decode ranks offer, prefill ranks write (measured beside the pull of the same bytes)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -36,6 +38,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                          f"--decode-tp 1)")
     if args.prefill_tp is not None and args.plot:
         raise UsageError("--plot sweeps a 1 -> 1 pull; it does not combine with --prefill-tp/--decode-tp")
+    if args.mode == "push" and args.prefill_tp is None:
+        raise UsageError("--mode push runs between TP sizes: give --prefill-tp and --decode-tp (1 and 1 for equal sizes)")
     args.prefill_tp, args.decode_tp = args.prefill_tp or 1, args.decode_tp or 1
 
 
@@ -100,50 +104,63 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
 
 
 def run_tp(args: argparse.Namespace) -> int:
-    """Pull between TP sizes beside the same bytes 1 -> 1 and the backend posting the same descriptors."""
+    """Pull (and with --mode push, push) between TP sizes beside the same bytes 1 -> 1 and the backend posting
+    the same descriptors."""
     from kvconnect.workload.tp import TPSpec, descriptor_build_ms, run_tp_pull
 
     spec = TPSpec(backend=args.backend, preset=args.preset, tokens=args.tokens, requests=args.requests,
                   prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, seed=args.seed)
-    draw = None if args.json else bar("runs")  # three steps: across TP sizes, 1 -> 1, descriptor build
+    push = args.mode == "push"
+    steps = 4 if push else 3  # (push,) across TP sizes, 1 -> 1, descriptor build
+    draw = None if args.json else bar("runs")
 
     def step(done: int) -> None:
         if draw:
-            draw(done, 3)
+            draw(done, steps)
 
     step(0)
+    pushed = run_tp_pull(TPSpec(**{**spec.__dict__, "mode": "push"})) if push else None
+    step(steps - 3)
     tp = run_tp_pull(spec)
-    step(1)
+    step(steps - 2)
     same = run_tp_pull(TPSpec(**{**spec.__dict__, "prefill_tp": 1, "decode_tp": 1}))
-    step(2)
+    step(steps - 1)
     build_ms, rows = descriptor_build_ms()
-    step(3)
+    step(steps)
     result = {**tp, "backend": args.backend, "preset": args.preset, "tokens": args.tokens,
               "one_to_one_gbps": same["gbps"], "ratio_vs_one_to_one": tp["gbps"] / same["gbps"],
               "ratio_vs_backend": tp["gbps"] / tp["backend_gbps"] if tp["backend_gbps"] else None,
               "descriptor_build_ms_131072_blocks": build_ms, "descriptor_rows": rows,
-              "verified": tp["verified"] and same["verified"]}
+              "verified": tp["verified"] and same["verified"] and (pushed is None or pushed["verified"])}
+    failed = tp["failed"] + same["failed"]
+    if pushed is not None:
+        failed += pushed["failed"]
+        result.update(mode="push", push_gbps=pushed["gbps"], push_ratio_vs_pull=pushed["gbps"] / tp["gbps"],
+                      push_ratio_vs_backend=pushed["gbps"] / tp["backend_gbps"] if tp["backend_gbps"] else None)
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"kvconnect bench transfer: {args.backend}, {args.preset}, prefill TP {args.prefill_tp} -> decode TP "
-              f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens "
-              f"({tp['bytes_per_request'] / 2**20:.1f} MiB each, medians)")
-        print(f"  {'':40s} {'GB/s':>8s} {'kvconnect/x':>12s}")
-        print(f"  {'kvconnect P/D pull across TP sizes':40s} {tp['gbps']:8.2f}")
-        print(f"  {'kvconnect P/D pull, same bytes 1 -> 1':40s} {same['gbps']:8.2f} {result['ratio_vs_one_to_one']:12.2f}")
-        if tp["backend_gbps"]:
-            print(f"  {args.backend + ' posting the same descriptors':40s} {tp['backend_gbps']:8.2f} "
-                  f"{result['ratio_vs_backend']:12.2f}")
-        print(f"  descriptors of a 2 -> 1 head split of 131072 blocks: {rows} rows in {build_ms:.2f} ms")
-        print(f"  verified: {result['verified']}; failed: {tp['failed'] + same['failed']}")
+        return 0 if result["verified"] else 1
+    print(f"kvconnect bench transfer: {args.backend}, {args.preset}, prefill TP {args.prefill_tp} -> decode TP "
+          f"{args.decode_tp}, {args.requests} requests x {args.tokens} tokens "
+          f"({tp['bytes_per_request'] / 2**20:.1f} MiB each, medians)")
+    print(f"  {'':40s} {'GB/s':>8s} {'kvconnect/x':>12s}")
+    if pushed is not None:
+        print(f"  {'kvconnect P/D push across TP sizes':40s} {pushed['gbps']:8.2f}   (offers to last load; "
+              f"{result['push_ratio_vs_pull']:.2f} x the pull below)")
+    print(f"  {'kvconnect P/D pull across TP sizes':40s} {tp['gbps']:8.2f}")
+    print(f"  {'kvconnect P/D pull, same bytes 1 -> 1':40s} {same['gbps']:8.2f} {result['ratio_vs_one_to_one']:12.2f}")
+    if tp["backend_gbps"]:
+        print(f"  {args.backend + ' posting the pull descriptors':40s} {tp['backend_gbps']:8.2f} "
+              f"{result['ratio_vs_backend']:12.2f}")
+    print(f"  descriptors of a 2 -> 1 head split of 131072 blocks: {rows} rows in {build_ms:.2f} ms")
+    print(f"  verified: {result['verified']}; failed: {failed}")
     return 0 if result["verified"] else 1
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally plot; exit status 1 if any byte differed or any request failed."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if args.prefill_tp != 1 or args.decode_tp != 1:
+    if args.prefill_tp != 1 or args.decode_tp != 1 or args.mode == "push":
         return run_tp(args)
     if args.plot:
         import matplotlib  # noqa: F401  (missing: exit 3 with the install hint, before the sweep runs)

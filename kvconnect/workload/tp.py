@@ -1,16 +1,19 @@
-"""A measured P/D pull between engines of different tensor-parallel sizes, every byte checked.
+"""A measured P/D pull (or push) between engines of different tensor-parallel sizes, every byte checked.
 
 Each prefill rank is a spawned process holding its shard (its KV heads) of every layer of a preset's
 cache; each decode rank is a connector in this process. Every head of every block carries its own
 tag (layer, block, head) and a per-head random row, so a decode rank checks that each head it
 loaded is the one its TP size gives it, from the block the params named. Shared by `kvconnect bench
 transfer --prefill-tp P --decode-tp D`, which runs the same bytes 1 -> 1 as its baseline and posts
-the same descriptor lists through the backend alone.
+the same descriptor lists through the backend alone. In push mode (`mode="push"`) the decode ranks
+offer their blocks and the prefill ranks (rank r listening at a base port + r) write into them; a
+request is timed from the offers to the last decode rank's load.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,28 @@ class TPSpec:
     prefill_tp: int = 2
     decode_tp: int = 1
     seed: int = 0
+    mode: str = "pull"  # or "push": decode ranks offer, prefill ranks write
+    port: int = 0  # push: prefill rank r listens at port + r
+
+
+def consecutive_ports(host: str, n: int) -> int:
+    """A base port with `n` free ports from it (a push-mode prefill's rank r listens at base + r)."""
+    for _ in range(50):
+        held: list[socket.socket] = []
+        try:
+            with socket.socket() as first:
+                first.bind((host, 0))
+                base = first.getsockname()[1]
+            for p in range(base, base + n):
+                held.append(socket.socket())
+                held[-1].bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
 
 
 def rank_caches(spec: TPSpec, num_blocks: int, tp: int, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
@@ -68,8 +93,10 @@ def _producer_main(conn: Any, spec: TPSpec, num_blocks: int, rank: int) -> None:
     first, n = owned(PRESETS[spec.preset].kv_heads, spec.prefill_tp, rank)
     for i, t in enumerate(caches.values()):
         t.copy_(_pattern(spec, i, np.arange(num_blocks), first, n, t.shape[2]))
+    push = spec.mode == "push"
     c = KVConnector(ConnectorConfig(role="producer", backend=spec.backend, engine_id="bench-prefill-tp", rank=rank,
-                                    world_size=spec.prefill_tp, shards=shards))
+                                    world_size=spec.prefill_tp, shards=shards, push=push,
+                                    port=spec.port + rank if push else 0))
     try:
         c.register_kv_caches(caches)
         conn.send(("ready", None))
@@ -78,6 +105,9 @@ def _producer_main(conn: Any, spec: TPSpec, num_blocks: int, rank: int) -> None:
             if cmd == "hold":
                 rid, ids = payload
                 conn.send(("params", wire.transfer_params_to_builtins(c.request_finished(rid, [ids], spec.tokens))))
+            elif cmd == "push":  # write into the blocks the decode ranks offer for this key
+                key, ids = payload
+                c.push(key, [ids], handle=key)
             elif cmd == "drain":
                 deadline = time.monotonic() + payload
                 while c.held_blocks and time.monotonic() < deadline:
@@ -92,9 +122,11 @@ def _producer_main(conn: Any, spec: TPSpec, num_blocks: int, rank: int) -> None:
 
 
 def run_tp_pull(spec: TPSpec) -> dict[str, Any]:
-    """Pull `spec.requests` requests from `prefill_tp` rank processes into `decode_tp` ranks; figures."""
+    """Pull (or push) `spec.requests` requests from `prefill_tp` rank processes into `decode_tp` ranks; figures."""
     from kvconnect.presets import PRESETS
 
+    if spec.mode == "push" and not spec.port:
+        spec = TPSpec(**{**spec.__dict__, "port": consecutive_ports("127.0.0.1", spec.prefill_tp)})
     preset = PRESETS[spec.preset]
     need = -(-spec.tokens // preset.block_size)
     num_blocks = need * 2 + 8
@@ -114,12 +146,14 @@ def run_tp_pull(spec: TPSpec) -> dict[str, Any]:
             expect_reply(pipe, "ready", proc)
         for req in range(spec.requests + 1):  # the first is a warm-up: handshakes are once per peer
             remote, local = rng.permutation(num_blocks)[:need], rng.permutation(num_blocks)[:need]
-            took, ok, right = _one_request(spec, ranks, decoders, f"req-{req}", remote, local)
+            one = _one_push if spec.mode == "push" else _one_request
+            took, ok, right = one(spec, ranks, decoders, f"req-{req}", remote, local)
             failed += not ok
             verified &= right
             if req:
                 seconds.append(took)
-                backend_seconds.append(_backend_only([c for c, _ in decoders], local, remote))
+                if spec.mode == "pull":
+                    backend_seconds.append(_backend_only([c for c, _ in decoders], local, remote))
     finally:
         for c, _ in decoders:
             c.close()
@@ -133,7 +167,8 @@ def run_tp_pull(spec: TPSpec) -> dict[str, Any]:
                 proc.kill()
     per_request = preset.bytes_per_request(spec.tokens)
     backend = [per_request / s / 1e9 for s in backend_seconds if s]
-    return {"prefill_tp": spec.prefill_tp, "decode_tp": spec.decode_tp, "bytes_per_request": per_request,
+    return {"prefill_tp": spec.prefill_tp, "decode_tp": spec.decode_tp, "mode": spec.mode,
+            "bytes_per_request": per_request,
             "gbps": float(np.median([per_request / s / 1e9 for s in seconds])),
             "backend_gbps": float(np.median(backend)) if backend else None,
             "verified": verified and not failed, "failed": failed}
@@ -146,7 +181,7 @@ def _decode_ranks(spec: TPSpec, num_blocks: int) -> list:
     for r in range(spec.decode_tp):
         caches, shards = rank_caches(spec, num_blocks, spec.decode_tp, r)
         c = KVConnector(ConnectorConfig(role="consumer", backend=spec.backend, engine_id="bench-decode-tp",
-                                        rank=r, world_size=spec.decode_tp, shards=shards))
+                                        rank=r, world_size=spec.decode_tp, shards=shards, push=spec.mode == "push"))
         out.append((c, caches))
         c.register_kv_caches(caches)
     return out
@@ -157,8 +192,6 @@ def _one_request(spec: TPSpec, ranks: list, decoders: list, rid: str, remote: np
     """Hold on every prefill rank, pull into every decode rank; (seconds, loaded, bytes right and released)."""
     from kvconnect import wire
     from kvconnect.pd.producer import combine_ranks
-    from kvconnect.presets import PRESETS
-    from kvconnect.shards import owned
 
     for pipe, _ in ranks:
         pipe.send(("hold", (rid, remote.tolist())))
@@ -167,7 +200,26 @@ def _one_request(spec: TPSpec, ranks: list, decoders: list, rid: str, remote: np
     for c, _ in decoders:
         c.start_load(params, [local], handle=rid)
     ok = _wait_all([c for c, _ in decoders], rid)
-    took = time.perf_counter() - t0
+    return time.perf_counter() - t0, ok, _landed(spec, ranks, decoders, remote, local)
+
+
+def _one_push(spec: TPSpec, ranks: list, decoders: list, key: str, remote: np.ndarray,
+              local: np.ndarray) -> tuple[float, bool, bool]:
+    """Every decode rank offers, every prefill rank writes; (seconds, loaded, bytes right and nothing held)."""
+    t0 = time.perf_counter()
+    for c, _ in decoders:
+        c.expect_push(key, ("127.0.0.1", spec.port, spec.prefill_tp), [local], spec.tokens, handle=key)
+    for pipe, _ in ranks:
+        pipe.send(("push", (key, remote.tolist())))
+    ok = _wait_all([c for c, _ in decoders], key)
+    return time.perf_counter() - t0, ok, _landed(spec, ranks, decoders, remote, local)
+
+
+def _landed(spec: TPSpec, ranks: list, decoders: list, remote: np.ndarray, local: np.ndarray) -> bool:
+    """Each decode rank holds its heads of the remote blocks at `local`, and no prefill rank still holds any."""
+    from kvconnect.presets import PRESETS
+    from kvconnect.shards import owned
+
     right = True
     for r, (_, caches) in enumerate(decoders):
         first, n = owned(PRESETS[spec.preset].kv_heads, spec.decode_tp, r)
@@ -176,7 +228,7 @@ def _one_request(spec: TPSpec, ranks: list, decoders: list, rid: str, remote: np
     for pipe, _ in ranks:
         pipe.send(("drain", 30.0))
     right &= sum(expect_reply(p, "drained", proc) for p, proc in ranks) == 0
-    return took, ok, right
+    return right
 
 
 def _wait_all(conns: list, handle: str, timeout: float = 120.0) -> bool:
