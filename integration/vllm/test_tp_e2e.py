@@ -111,6 +111,17 @@ def test_push_between_tp_sizes_writes_every_head_and_gives_a_plain_runs_tokens(e
     wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0, 120, "prefill to free every block")
 
 
+def test_a_push_mode_prefill_of_several_ranks_without_a_port_is_refused_at_start_naming_the_key():
+    from kvconnect.integrations.vllm.tp import check_push_ports
+
+    with pytest.raises(ValueError, match='KVConnectNixl: "mode": "push" at tensor_parallel_size 2 needs "port"'):
+        check_push_ports("push", 0, "both", 2, "KVConnectNixl")
+    check_push_ports("push", 0, "consumer", 2, "KVConnectNixl")  # a decode is found by its params, not its port
+    check_push_ports("push", 9000, "producer", 2, "KVConnectNixl")
+    check_push_ports("push", 0, "producer", 1, "KVConnectNixl")
+    check_push_ports("pull", 0, "producer", 4, "KVConnectNixl")
+
+
 def test_pipeline_parallelism_is_refused_by_name():
     from types import SimpleNamespace
 

@@ -38,7 +38,7 @@ from kvconnect.integrations.vllm.push_worker import LayerwisePushWorker, PushWor
 from kvconnect.integrations.vllm.prom import KVConnectProm
 from kvconnect.integrations.vllm.stats import KVConnectStats, scheduler_stats
 from kvconnect.integrations.vllm.tiers import tier_namespace
-from kvconnect.integrations.vllm.tp import layer_shards, state_split, tp_rank, tp_size
+from kvconnect.integrations.vllm.tp import check_push_ports, layer_shards, state_split, tp_rank, tp_size
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -145,6 +145,7 @@ class _PDConnector(_Facade):
         config = read_extra(vllm_config, PDConfig, name, self.backend)
         our_role = kv_role(vllm_config, name)
         tp = tp_size(vllm_config, name)
+        check_push_ports(config.mode, config.port, our_role, tp, name)
         groups = kv_groups(kv_cache_config)
         block_size = int(vllm_config.cache_config.block_size)
         engine_id = str(vllm_config.kv_transfer_config.engine_id)

@@ -34,6 +34,14 @@ def tp_size(vllm_config: VllmConfig, connector: str) -> int:
     return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
+def check_push_ports(mode: str, port: int, role: str, tp: int, connector: str) -> None:
+    """ValueError naming `connector` for a push-mode instance that may prefill at TP > 1 without `port`:
+    a push-mode decode finds prefill rank r at `port + r`, so a port each rank picks itself is never found."""
+    if mode == "push" and tp > 1 and port == 0 and role in ("producer", "both"):
+        raise ValueError(f'{connector}: "mode": "push" at tensor_parallel_size {tp} needs "port" set in '
+                         f"kv_connector_extra_config (rank r listens at port + r, where push-mode decodes look)")
+
+
 def tp_rank() -> int:
     """This worker's rank in its tensor-parallel group (0 outside one)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
