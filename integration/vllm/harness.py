@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -15,6 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Callable, Iterator
 
 from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
 
@@ -420,3 +422,26 @@ def pushed(P: Engine, D: Engine, prompts, max_tokens: int, *, decode_first: bool
     assert "error" not in result, result.get("error")
     assert all(o["kv_transfer_params"] is None for o in pre["outputs"]), "a push prefill hands out no params"
     return result["decode"]["outputs"], keys
+
+
+@contextlib.contextmanager
+def tp_pair(model: Path, connector: str, name: str, extra: Callable[..., dict], dumps: dict, *,
+            llm: dict | None = None, env: dict | None = None) -> Iterator[tuple[Engine, Engine]]:
+    """Engine A at TP 2 (its ranks at `port` and `port + 1`, two free ports) and engine B at TP 1, both
+    kv_both with `connector` and `extra(name, **kw)` as their extra config, dumping pages to `dumps`."""
+    def engine(n: str, tp: int, **kw) -> Engine:
+        parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"} if tp > 1 else {}
+        return Engine(model, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
+                                          kv_connector_extra_config=extra(n, **kw)),
+                      core="nobind", name=f"{name}-tp{tp}", llm={**(llm or {}), **parallel},
+                      env={"KVCONNECT_DUMP_DIR": str(dumps[n]), **ONE_THREAD, **(env or {})})
+
+    A = engine("a", 2, port=two_free_ports())
+    B = engine("b", 1)
+    try:
+        A.wait_ready(timeout=400)
+        B.wait_ready(timeout=400)
+        yield A, B
+    finally:
+        A.close()
+        B.close()

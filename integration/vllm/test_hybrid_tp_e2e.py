@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import (LOAD_S, ONE_THREAD, Engine, assert_close, kv_config, make_tiny, prompts_of, pushed, read_stats,
-                     two_free_ports, wait_for)
+from harness import LOAD_S, assert_close, make_tiny, prompts_of, pushed, read_stats, tp_pair, wait_for
 from pages import Mamba2Dims, assert_tp_hybrid_pages
 
 pytestmark = pytest.mark.timeout(1500)
@@ -48,21 +47,8 @@ def engines(tmp_path_factory):
         return {"stats_path": str(stats[n]), "load_timeout_s": LOAD_S, "lease_s": 300.0, "handshake_timeout_s": LOAD_S,
                 "mode": "push", **kw}
 
-    A = Engine(model, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
-                                   kv_connector_extra_config=extra("a", port=two_free_ports())),
-               core="nobind", name="hybrid-tp2", llm={**LLM, "tensor_parallel_size": 2,
-                                                      "distributed_executor_backend": "mp"},
-               env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD})
-    B = Engine(model, kv=kv_config("KVConnectNixl", "kv_both", kv_load_failure_policy="fail",
-                                   kv_connector_extra_config=extra("b")),
-               core="nobind", name="hybrid-tp1", llm=LLM, env={"KVCONNECT_DUMP_DIR": str(dumps["b"]), **ONE_THREAD})
-    try:
-        A.wait_ready(timeout=400)
-        B.wait_ready(timeout=400)
+    with tp_pair(model, "KVConnectNixl", "hybrid", extra, dumps, llm=LLM) as (A, B):
         yield A, B, dumps, stats
-    finally:
-        A.close()
-        B.close()
 
 
 def _sides(engines, direction: str):

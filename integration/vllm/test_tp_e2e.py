@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import (LOAD_S, ONE_THREAD, STALL_ROOM, Engine, assert_close, kv_config, prompts_of, pushed,
-                     read_stats, two_free_ports, wait_for)
+from harness import LOAD_S, STALL_ROOM, Engine, assert_close, prompts_of, pushed, read_stats, tp_pair, wait_for
 from pages import assert_tp_pages
 
 
@@ -42,20 +41,8 @@ def engines(request, tiny_llama, tmp_path_factory):
         return {"stats_path": str(stats[n]), "load_timeout_s": LOAD_S, "lease_s": 300.0, "handshake_timeout_s": LOAD_S,
                 "mode": "push", **kw}
 
-    A = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
-                                        kv_connector_extra_config=extra("a", port=two_free_ports())),
-               core="nobind", name=f"tp2-{connector}", llm={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-               env={"KVCONNECT_DUMP_DIR": str(dumps["a"]), **ONE_THREAD, **STALL_ROOM})
-    B = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_load_failure_policy="fail",
-                                        kv_connector_extra_config=extra("b")),
-               core="nobind", name=f"tp1-{connector}", env={"KVCONNECT_DUMP_DIR": str(dumps["b"]), **ONE_THREAD, **STALL_ROOM})
-    try:
-        A.wait_ready(timeout=400)
-        B.wait_ready(timeout=400)
+    with tp_pair(tiny_llama, connector, connector, extra, dumps, env=STALL_ROOM) as (A, B):
         yield A, B, dumps, stats
-    finally:
-        A.close()
-        B.close()
 
 
 def _pd(P: Engine, D: Engine, prompts):
@@ -144,12 +131,13 @@ def test_params_name_every_prefill_rank_through_a_router():
     assert from_vllm(d) == p
 
 
-def test_attention_and_mla_layers_are_split_and_state_layers_are_not():
+def test_attention_and_mla_layers_are_split_and_of_state_layers_mamba2_only():
     import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
-    from kvconnect.integrations.vllm.tp import _split
-    from kvconnect.shards import attention, replicated
+    from kvconnect.integrations.vllm.tp import StateSplit, _split, mamba2_split
+    from kvconnect.shards import attention, mamba2_state, replicated
 
     full = FullAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     hnd = torch.zeros(8, 2, 16, 128)
@@ -160,3 +148,9 @@ def test_attention_and_mla_layers_are_split_and_state_layers_are_not():
     assert _split(mla, torch.zeros(8, 16, 576), 1, "LBHNC") == replicated(16 * 576 * 4)
     mamba = MambaSpec(16, shapes=((3, 64), (4, 8, 16)), dtypes=(torch.float32, torch.float32))
     assert _split(mamba, torch.zeros(8, 1, 1, 4096, dtype=torch.int8), 4, "LBHNC") is None
+    # Mamba2 with its model facts: rank of TP 2 holding 4 of 8 heads of 8 channels, one B/C group of state 16.
+    assert mamba2_split(mamba, 4096, StateSplit(tp=2, groups=1)) == mamba2_state(4, 8, 16, 1, 3, 4, 4, 2)
+    assert mamba2_split(mamba, 4096, StateSplit(tp=2, groups=3)) is None  # 3 groups do not split over 2 ranks
+    assert mamba2_split(mamba, 2048, StateSplit(tp=2, groups=1)) is None  # the state does not fit the page
+    short_conv = MambaSpec(16, shapes=((3, 64),), dtypes=(torch.float32,), mamba_type=MambaAttentionBackendEnum.SHORT_CONV)
+    assert mamba2_split(short_conv, 4096, StateSplit(tp=2, groups=1)) is None  # other state kinds: not described
