@@ -59,6 +59,16 @@ def _kv_args(kv: list[torch.Tensor], aux: list[torch.Tensor], **kw) -> SimpleNam
                            page_size=kw.get("page_size", 1), state_types=kw.get("state_types", []))
 
 
+def test_params_naming_a_host_the_bootstrap_did_not_name_are_foreign() -> None:
+    two_ranks = wire.TransferParams(**{f: getattr(_params(), f) for f in _params().__struct_fields__ if f != "ranks"},
+                                    ranks=(wire.RankAddr(host="127.0.0.1", port=5555, incarnation="i"),
+                                           wire.RankAddr(host="10.0.0.9", port=5556, incarnation="i")))
+    assert frames.foreign_hosts(_params(), {"127.0.0.1"}) == []
+    assert frames.foreign_hosts(two_ranks, {"127.0.0.1", "10.0.0.9"}) == []
+    assert frames.foreign_hosts(two_ranks, {"127.0.0.1"}) == ["10.0.0.9"]  # one rank elsewhere is enough
+    assert frames.foreign_hosts(_params(), ()) == ["127.0.0.1"]  # a room nobody bootstrapped trusts no host
+
+
 def test_sglang_buffers_become_regions_over_the_same_bytes() -> None:
     layers = [torch.randn(2, 33, 2, 8, dtype=torch.float16) for _ in range(3)]  # per layer [K|V, slots, heads, dim]
     kv = [t[0] for t in layers] + [t[1] for t in layers]  # SGLang: K of every layer, then V

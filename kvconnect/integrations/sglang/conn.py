@@ -39,6 +39,13 @@ class KVConnectSender(CommonKVSender):
 class KVConnectReceiver(CommonKVReceiver):
     """SGLang's receiver; its status comes from the manager's kvconnect load."""
 
+    def send_metadata(self, *args: Any, **kwargs: Any) -> None:
+        """SGLang's request to the prefill ranks, after noting their hosts: params naming others are refused."""
+        if self.bootstrap_infos:
+            self.kv_mgr.expect_params_from(self.bootstrap_room,
+                                           frozenset(str(info["rank_ip"]) for info in self.bootstrap_infos))
+        super().send_metadata(*args, **kwargs)
+
     def poll(self) -> KVPoll:
         """SGLang's poll, after the manager turned finished loads into statuses."""
         self.kv_mgr.pump()

@@ -35,6 +35,7 @@ class DecodeSide:
     def _start_decode(self) -> None:
         self._dests: dict[int, tuple[np.ndarray, int]] = {}  # room -> (pages, aux row)
         self._loads: dict[str, tuple[int, np.ndarray, int]] = {}  # load handle -> (room, pages, aux row)
+        self._sources: dict[int, frozenset[str]] = {}  # room -> the prefill ranks' hosts SGLang's bootstrap named
         # Held across a room's check and its load's start, so an abort sees either no load or one it can cancel.
         self._rooms_lock = threading.Lock()
         self._delay_s, self._hold_s = faults.load_delay_s(), faults.read_hold_s()
@@ -57,6 +58,10 @@ class DecodeSide:
                                        required=required_dst_info_num, prefix_len=int(decode_prefix_len or 0),
                                        dummy=is_dummy))
 
+    def expect_params_from(self, room: int, hosts: frozenset[str]) -> None:
+        """The room's params must name these hosts only (its prefill ranks, as SGLang's bootstrap gave them)."""
+        self._sources[room] = hosts
+
     def _on_decode_frame(self, msg: list[bytes]) -> None:
         if msg and msg[0] == frames.PARAMS:
             got = frames.parse_params(msg)
@@ -73,7 +78,18 @@ class DecodeSide:
 
     def _start_load(self, room: int, params: wire.TransferParams) -> None:
         with self._rooms_lock:
+            sources = self._sources.pop(room, frozenset())
+            foreign = frames.foreign_hosts(params, sources)
             dest = self._dests.pop(room, None)
+            if foreign:
+                # Neither read nor released: the named host is not the room's prefill, so nothing goes to it.
+                log.warning("kvconnect sglang decode: params for room %s name host(s) %s, SGLang's bootstrap named "
+                            "%s: refused", room, foreign, sorted(sources))
+                if dest is not None and room in self.request_status:
+                    self.record_failure(room, f"kvconnect: params name prefill host(s) {foreign}, not the "
+                                              "bootstrapped prefill's")
+                    self.update_status(room, KVPoll.Failed)
+                return
             if dest is None or room not in self.request_status or self.check_status(room) == KVPoll.Failed:
                 log.info("kvconnect sglang decode: params for room %s, which waits for none: lease released", room)
                 self._release(params)
@@ -119,6 +135,7 @@ class DecodeSide:
         """The receiver gave up: forget the room's pages and fail its load if one runs."""
         with self._rooms_lock:
             self._dests.pop(room, None)
+            self._sources.pop(room, None)
             running = lease_id(room) in self._loads
         if running:
             self.connector.abort(lease_id(room))

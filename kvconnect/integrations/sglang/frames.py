@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Collection
 
 from kvconnect import wire
 
@@ -87,3 +88,9 @@ def parse_params(msg: list[bytes]) -> tuple[int, int, wire.TransferParams] | Non
     except (ValueError, UnicodeDecodeError, wire.WireError) as exc:
         log.warning("kvconnect sglang: dropping malformed transfer params: %s", exc)
         return None
+
+
+def foreign_hosts(p: wire.TransferParams, bootstrapped: Collection[str]) -> list[str]:
+    """The hosts `p` names for the producer's ranks that SGLang's bootstrap did not name for the room: params
+    from anyone else would send the decode to read another host's bytes into the request's pages."""
+    return sorted({p.host, *(r.host for r in p.ranks)} - set(bootstrapped))
