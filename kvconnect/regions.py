@@ -4,12 +4,11 @@ A region is base address + block count + bytes per block + block stride: whateve
 (attention K/V pages, an MLA latent, a Mamba state page) is moved as opaque bytes. Layers that view
 the same blocks, or lie side by side in every block of one buffer, merge into one region. Turning
 block ids into transfer descriptors is `kvconnect.descriptors`' work; KV-cache groups are
-`kvconnect.kvgroups`'.
+`kvconnect.kvgroups`'; which TP split a region's blocks take, `kvconnect.region_splits`'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 from kvconnect import wire
 from kvconnect.errors import LayoutError
 from kvconnect.kvgroups import KVGroup, resolve_groups  # noqa: F401  (re-exported: they lived here)
+from kvconnect.region_splits import assign_shards  # noqa: F401  (re-exported: it lived here)
 from kvconnect.shards import PageShards, Segment
 
 BlockIds = Sequence[int] | np.ndarray | torch.Tensor
@@ -339,46 +339,6 @@ def _frozen(values, dtype) -> np.ndarray:
 
 _MOVED_METHODS = {"validate": "kvconnect.descriptors.check_ids(region_set, block_ids, regions)",
                   "descriptors": "kvconnect.descriptors.block_rows(region_set, block_ids, regions)"}
-
-
-def assign_shards(regions: list[Region], layers: Mapping[str, Region], shards: Mapping[str, PageShards],
-                  layer_groups: Sequence[Sequence[str]] | None = None) -> list[Region]:
-    """Each region with its split: its layers' segments, shifted to where each layer's page starts in the block.
-
-    Aliased layers (one memory, several names) of one group must describe one split, or that group has
-    none there: it then moves only between equal TP sizes. Where the groups reading a region describe
-    different splits (`layer_groups`: the layers of each group), the region carries one per group.
-    """
-    unknown = sorted(set(shards) - set(layers))
-    if unknown:
-        raise LayoutError(f"shards describe layers that were not registered: {unknown[:5]}")
-    group_of = {name: g for g, names in enumerate(layer_groups or ()) for name in names}
-    out = []
-    for r in regions:
-        per_group: dict[int, list[str]] = {}
-        for name in r.names:
-            per_group.setdefault(group_of.get(name, -1), []).append(name)
-        splits = {g: _split_of(r, names, layers, shards) for g, names in sorted(per_group.items())}
-        if len(set(splits.values())) == 1:
-            out.append(dataclasses.replace(r, shards=next(iter(splits.values()))))
-        elif -1 in splits:  # layers in no group beside grouped ones: resolve_groups refuses the set
-            out.append(r)
-        else:
-            out.append(dataclasses.replace(r, group_shards=tuple(splits.items())))
-    return out
-
-
-def _split_of(r: Region, names: Sequence[str], layers: Mapping[str, Region],
-              shards: Mapping[str, PageShards]) -> PageShards | None:
-    """The split these layers of region `r` describe together, None unless every memory has exactly one."""
-    by_base: dict[int, set] = {}
-    for name in names:
-        segs = shards.get(name)
-        by_base.setdefault(layers[name].base_addr, set()).add(None if segs is None else tuple(segs))
-    if any(len(v) != 1 or None in v for v in by_base.values()):
-        return None
-    return tuple(Segment(s.offset + base - r.base_addr, s.repeat, s.stride, s.unit, s.total)
-                 for base, v in sorted(by_base.items()) for s in next(iter(v)))
 
 
 def __getattr__(name: str) -> object:

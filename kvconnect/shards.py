@@ -224,7 +224,7 @@ def replicated(page_bytes: int) -> PageShards:
 # byte offsets, peer byte offsets, lengths) inside one block, as `page_slices` gives them.
 PageSlices = Mapping[int | tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
-_MOVED = {"assign_shards": "kvconnect.regions", "slice_descriptors": "kvconnect.descriptors"}
+_MOVED = {"assign_shards": "kvconnect.region_splits", "slice_descriptors": "kvconnect.descriptors"}
 
 
 def __getattr__(name: str) -> object:

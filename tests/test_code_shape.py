@@ -19,7 +19,7 @@ LAYERS = [
     {"errors", "metrics", "threads", "progress", "__init__"},
     {"layout"},
     {"wire", "compat"},
-    {"runs", "shards"},
+    {"runs", "shards", "region_splits"},
     {"regions", "kvgroups"},
     {"descriptors"},
     {"sidechannel"},

@@ -132,7 +132,7 @@ def test_names_that_moved_keep_working_or_name_their_new_home() -> None:
     assert kvconnect.regions.KVGroup is kvconnect.kvgroups.KVGroup
     with pytest.raises(ImportError, match="kvconnect.descriptors.slice_descriptors"):
         from kvconnect.shards import slice_descriptors  # noqa: F401
-    with pytest.raises(ImportError, match="kvconnect.regions.assign_shards"):
+    with pytest.raises(ImportError, match="kvconnect.region_splits.assign_shards"):
         from kvconnect.shards import assign_shards  # noqa: F401
     with pytest.raises(ImportError, match="kvconnect.descriptors.pair_descriptors"):
         from kvconnect.regions import pair_descriptors  # noqa: F401
