@@ -352,3 +352,16 @@ def mooncake_store(tmp_path):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@pytest.fixture(params=["disk", "store"])
+def where(request, tmp_path):
+    """A lower tier's site: ("disk", directory) or ("store", master address of a real Mooncake Store)."""
+    if request.param == "disk":
+        yield "disk", str(tmp_path / "kv-disk")
+        return
+    store = LocalStore(tmp_path).start()
+    try:
+        yield "store", store.address
+    finally:
+        store.stop()

@@ -4,13 +4,12 @@ A TP-2 engine is two ranks, each with its own host pool at the same slots (one s
 both) holding its own heads of every block. Here each rank is a real tier chain over its own pool,
 filled with bytes of its own, writing down under its shard's keys as the vLLM worker does; the
 scheduler's `RankIndex` answers for both ranks at once. Everything below reads real files and a real
-Mooncake Store, and compares bytes.
+Mooncake Store (the `where` fixture, tests/conftest.py), and compares bytes.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvconnect.offload.keys import block_keys, shard_id, shard_keys
 from kvconnect.offload.ranks import RankIndex, rank_path
@@ -83,21 +82,6 @@ def written_by_both_ranks(where: tuple[str, str], seed: int) -> tuple[list[bytes
         r.write_down(keys, slots)
         r.close()
     return keys, slots, written
-
-
-@pytest.fixture(params=["disk", "store"])
-def where(request, tmp_path):
-    """("disk", directory) or ("store", master address of a real Mooncake Store)."""
-    if request.param == "disk":
-        yield "disk", str(tmp_path / "kv-disk")
-        return
-    from kvconnect.offload.tiers.local_store import LocalStore
-
-    store = LocalStore(tmp_path).start()
-    try:
-        yield "store", store.address
-    finally:
-        store.stop()
 
 
 def test_shard_ids_differ_per_rank_tp_size_and_split_and_are_empty_at_tp1():

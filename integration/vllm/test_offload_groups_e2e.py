@@ -99,8 +99,7 @@ def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
 
 def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
     """(group kind, block index, group key) of every block the second pass must load."""
-    from kvconnect.integrations.vllm.offload_groups import group_keys
-    from kvconnect.offload.keys import block_keys
+    from kvconnect.offload.keys import block_keys, group_keys
 
     want = []
     for prompt in prompts:

@@ -4,8 +4,10 @@ The key of block `i` is `blake2b(key of block i-1 || token ids of block i)`, wit
 as little-endian int64 and a fixed personalisation string. It depends only on those bytes, never on
 the process, the platform or Python's hash seed, so workers on different hosts agree on keys.
 
-With tensor parallelism a block is several shards, one per rank: `shard_keys` derives the keys one
-rank's pages go under in a tier the ranks share, from the block keys and the rank's `shard_id`.
+With several KV-cache groups a block of tokens is one page per group: `group_keys` derives the keys
+each group's pages go under. With tensor parallelism a block is several shards, one per rank:
+`shard_keys` derives the keys one rank's pages go under in a tier the ranks share, from the (group)
+keys and the rank's `shard_id`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ KEY_BYTES = 16
 _PERSON = b"kvconnect-blk1"
 _ROOT_TAG = b"kvconnect-root1"
 _SHARD_PERSON = b"kvconnect-shrd1"
+_GROUP_PERSON = b"kvconnect-grp1"
 
 Key = Hashable
 
@@ -104,3 +107,14 @@ def shard_keys(keys: Sequence[bytes], shard: bytes) -> list[bytes]:
         return list(keys)
     # One small hash per block, as block_keys: a shard's page never answers to another shard's key.
     return [hashlib.blake2b(shard + bytes(k), digest_size=KEY_BYTES, person=_SHARD_PERSON).digest() for k in keys]
+
+
+def group_keys(keys: Sequence[bytes], groups: int) -> list[list[bytes]]:
+    """Per KV-cache group, the keys its pages of these token blocks go under (group 0: `keys` themselves)."""
+    out = [list(keys)]
+    for g in range(1, groups):
+        tag = g.to_bytes(2, "little")
+        # One small hash per block, as block_keys: one group's page never answers to another's key.
+        out.append([hashlib.blake2b(tag + bytes(k), digest_size=KEY_BYTES, person=_GROUP_PERSON).digest()
+                    for k in keys])
+    return out

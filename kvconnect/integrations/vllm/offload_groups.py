@@ -17,28 +17,16 @@ the same keys, so a hit may take some from the host pool and bring the others up
 
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvconnect.integrations.vllm.groups import GroupRule
-from kvconnect.offload.keys import KEY_BYTES
+from kvconnect.offload.keys import group_keys
 
 # vLLM's null block (the first block of its pool): what a sliding-window group has outside its window.
 NULL_BLOCK = 0
-_GROUP_PERSON = b"kvconnect-grp1"
-
-
-def group_keys(keys: Sequence[bytes], groups: int) -> list[list[bytes]]:
-    """Per group, the keys its pages of these token blocks go under (group 0: `keys` themselves)."""
-    out = [list(keys)]
-    for g in range(1, groups):
-        tag = g.to_bytes(2, "little")
-        # One small hash per block, as block_keys: one group's page never answers to another's key.
-        out.append([hashlib.blake2b(tag + bytes(k), digest_size=KEY_BYTES, person=_GROUP_PERSON).digest()
-                    for k in keys])
-    return out
+__all__ = ["NULL_BLOCK", "group_blocks", "group_keys", "hit_blocks", "stored_blocks"]
 
 
 def hit_blocks(present: Sequence[np.ndarray], rules: Sequence[GroupRule], start: int) -> int:
