@@ -301,8 +301,12 @@ def _slice_rows(local: RegionSet, lids: np.ndarray, remote: RegionSet, rids: np.
     lu, ru = np.asarray(lids).astype(np.uint64), np.asarray(rids).astype(np.uint64)
     for k in sel.tolist():  # one step per region: the blocks and ranges inside are numpy
         ranges = slices.get((group, k), slices.get(k))
-        if ranges is None or not ranges[2].size:
-            continue
+        if ranges is None:
+            # Skipping it would move a request's KV without this region's bytes: refuse instead.
+            raise LayoutError(f"slices give no byte ranges for region {k} ({local[k].label})"
+                              + (f" in group {group}" if group else ""))
+        if not ranges[2].size:
+            continue  # the peer rank holds none of this region's bytes
         lo, ro, ln = ranges
         n = lu.size * ln.size
         rows_l, rows_r = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)

@@ -99,6 +99,16 @@ def test_slices_that_run_past_a_block_are_refused_when_paired() -> None:
     assert rows_l[:, 1].tolist() == [32, 32] and (rows_r[:, 0] - a[0].base_addr).tolist() == [2 * 64 + 32, 3 * 64 + 32]
 
 
+def test_slices_that_leave_out_a_selected_region_are_refused_rather_than_moving_less() -> None:
+    two = _set(8, 8)
+    half = (np.array([0]), np.array([0]), np.array([32]))
+    with pytest.raises(LayoutError, match="no byte ranges for region 1"):
+        slice_descriptors(two, [0], two, [1], {0: half})
+    none = (np.zeros(0, np.int64),) * 3  # a peer rank that holds none of a region: nothing to move there
+    rows_l, _ = slice_descriptors(two, [0], two, [1], {0: half, 1: none})
+    assert rows_l.shape == (1, 3)
+
+
 def test_pair_descriptors_allows_repeated_ids_as_before() -> None:
     a = _set(8)
     local, remote = pair_descriptors(a, [1, 1], a, [2, 3])
