@@ -36,6 +36,7 @@ class DecodeSide:
         self._dests: dict[int, tuple[np.ndarray, int]] = {}  # room -> (pages, aux row)
         self._loads: dict[str, tuple[int, np.ndarray, int]] = {}  # load handle -> (room, pages, aux row)
         self._sources: dict[int, frozenset[str]] = {}  # room -> the prefill ranks' hosts SGLang's bootstrap named
+        self._refused_tp: set[str] = set()  # prefill bootstrap addresses of another attention TP size
         # Held across a room's check and its load's start, so an abort sees either no load or one it can cancel.
         self._rooms_lock = threading.Lock()
         self._delay_s, self._hold_s = faults.load_delay_s(), faults.read_hold_s()
@@ -57,6 +58,26 @@ class DecodeSide:
         return frames.meta(frames.Meta(room=bootstrap_room, host=self.local_ip, port=self.rank_port,
                                        required=required_dst_info_num, prefix_len=int(decode_prefix_len or 0),
                                        dummy=is_dummy))
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's fetch of the prefill's parallel layout; a layout kvconnect cannot pair with reads as none.
+
+        Each rank registers its own KV heads as whole pages, so a decode rank reads the prefill rank of
+        its own index: the attention TP sizes must be equal. A prefill of another size is logged and
+        left out of SGLang's table, so SGLang's bounded retries end its requests aborted (raising here
+        would stop the decode server over one request's prefill).
+        """
+        if not super().try_ensure_parallel_info(bootstrap_addr):
+            return False
+        info = self.prefill_info_table[bootstrap_addr]
+        if int(info.attn_tp_size) == int(self.attn_tp_size):
+            return True
+        del self.prefill_info_table[bootstrap_addr]
+        if bootstrap_addr not in self._refused_tp:  # SGLang asks again every second until it gives up
+            self._refused_tp.add(bootstrap_addr)
+            log.error("kvconnect sglang decode: prefill %s runs attention TP %s, this decode %s; kvconnect pairs equal "
+                      "TP sizes only: its requests fail", bootstrap_addr, info.attn_tp_size, self.attn_tp_size)
+        return False
 
     def expect_params_from(self, room: int, hosts: frozenset[str]) -> None:
         """The room's params must name these hosts only (its prefill ranks, as SGLang's bootstrap gave them)."""
@@ -121,7 +142,7 @@ class DecodeSide:
         for handle in done.loaded:
             load = self._loads.pop(handle, None)
             if load is not None:
-                digest.log_digest(self.held, *load)
+                digest.log_digest(self.held, *load, rank=self.attn_tp_rank)
                 self.update_status(load[0], KVPoll.Success)
         for handle, failure in done.failed.items():
             room = self._loads.pop(handle, (None,))[0]

@@ -2,7 +2,8 @@
 prefill held, byte for byte, without copying caches out of the servers.
 
 With `KVCONNECT_SGLANG_PAGE_DIGESTS=1` the prefill logs the digest of the pages it holds for a room and
-the decode the digest of the pages it loaded for that room (`kvconnect sglang digest room=R sha256=H`).
+the decode the digest of the pages it loaded for that room (`kvconnect sglang digest room=R pages=N sha256=H
+rank=K`, K the attention TP rank: with TP each rank holds its own heads of the room's pages).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def pages_digest(held: Buffers, pages: np.ndarray, aux: int) -> str:
     return h.hexdigest()
 
 
-def log_digest(held: Buffers, room: int, pages: np.ndarray, aux: int) -> None:
-    """Log the room's digest (only when enabled)."""
+def log_digest(held: Buffers, room: int, pages: np.ndarray, aux: int, rank: int = 0) -> None:
+    """Log the room's digest on TP rank `rank` (only when enabled)."""
     if enabled():
-        log.info("kvconnect sglang digest room=%d pages=%d sha256=%s", room, len(pages), pages_digest(held, pages, aux))
+        log.info("kvconnect sglang digest room=%d pages=%d sha256=%s rank=%d", room, len(pages),
+                 pages_digest(held, pages, aux), rank)

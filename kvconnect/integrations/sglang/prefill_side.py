@@ -106,7 +106,7 @@ class PrefillSide:
             self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect: {exc}")
             return
         self._held[params.request_id] = room
-        digest.log_digest(self.held, room, pages, int(aux_index))
+        digest.log_digest(self.held, room, pages, int(aux_index), rank=self.attn_tp_rank)
         self.update_status(room, KVPoll.Transferring)
         msg = frames.params(room, self._prefill_unique_rank(), params)
         for host, port in self._room_notify_targets(room):
