@@ -1,12 +1,11 @@
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import PDSet, generate_all, make_model, prompts_of, sglang  # noqa: E402
+from harness import PDSet, make_model, plain_outputs, prompts_of  # noqa: E402
 
 # Prompt lengths around page and chunk edges (page 1, chunked prefill 256) up to 1,500 tokens.
 LENGTHS = [1, 2, 7, 64, 255, 256, 257, 600, 1023, 1500]
@@ -27,16 +26,7 @@ def model(tmp_path_factory) -> Path:
 def reference(model, logdir) -> dict:
     """Greedy outputs of a plain (not disaggregated) server for every prompt the tests send; the server is
     stopped before any prefill/decode pair starts (two cores, little memory)."""
-    server, base = sglang("plain", model, logdir, [])
-    try:
-        server.wait_ready(time.monotonic() + 600)
-        prompts = prompts_of(LENGTHS) + prompts_of(CONCURRENT, seed=2)
-        outs = generate_all(base, prompts)
-    finally:
-        server.stop()
-    for o in outs:
-        assert "error" not in o, o
-    return {tuple(p): o for p, o in zip(prompts, outs)}
+    return plain_outputs("plain", model, logdir, prompts_of(LENGTHS) + prompts_of(CONCURRENT, seed=2))
 
 
 @pytest.fixture(scope="module", params=["kvconnect-mooncake", "kvconnect-nixl"])

@@ -133,6 +133,21 @@ def sglang(name: str, model: Path, logdir: Path, extra: list[str], env: dict | N
     return Server(name, args, logdir, f"{base}/health", env), base
 
 
+def plain_outputs(name: str, model: Path, logdir: Path, prompts: list[list[int]], extra: list[str] | None = None,
+                  env: dict | None = None) -> dict:
+    """Greedy outputs of a plain (not disaggregated) server started with `extra` flags, by prompt; the
+    server is stopped before returning (two cores, little memory: no pair runs beside it)."""
+    server, base = sglang(name, model, logdir, extra or [], env)
+    try:
+        server.wait_ready(time.monotonic() + START_S)
+        outs = generate_all(base, prompts)
+    finally:
+        server.stop()
+    for o in outs:
+        assert "error" not in o, o
+    return {tuple(p): o for p, o in zip(prompts, outs)}
+
+
 class PDSet:
     """A prefill and a decode server with one transfer backend, behind sglang_router's mini load balancer."""
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import PDSet, generate, generate_all, prompts_of, sglang
+from harness import PDSet, generate, generate_all, plain_outputs, prompts_of, sglang
 from test_pd_e2e import _compare
 
 pytestmark = pytest.mark.timeout(2400)
@@ -26,16 +26,8 @@ CONCURRENT = [40, 300, 900]
 @pytest.fixture(scope="module")
 def reference_tp2(model, logdir) -> dict:
     """Greedy outputs of a plain TP-2 server; stopped before any prefill/decode pair starts."""
-    server, base = sglang("plain-tp2", model, logdir, ["--tp", "2"], env=TP2)
-    try:
-        server.wait_ready(time.monotonic() + 900)
-        prompts = prompts_of(LENGTHS, seed=7) + prompts_of(CONCURRENT, seed=8)
-        outs = generate_all(base, prompts)
-    finally:
-        server.stop()
-    for o in outs:
-        assert "error" not in o, o
-    return {tuple(p): o for p, o in zip(prompts, outs)}
+    return plain_outputs("plain-tp2", model, logdir, prompts_of(LENGTHS, seed=7) + prompts_of(CONCURRENT, seed=8),
+                         ["--tp", "2"], TP2)
 
 
 @pytest.fixture(scope="module", params=["kvconnect-nixl", "kvconnect-mooncake"])
