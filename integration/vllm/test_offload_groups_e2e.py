@@ -120,6 +120,7 @@ def test_a_two_group_model_is_served_from_the_host_tier_with_the_tokens_of_a_pla
     assert served.after["failed_loads"] == 0
     per_group = [sum(kind == k for k, _, _ in want) for kind in ("sliding", "full")]
     assert [a - b for a, b in zip(served.after["group_hits"], served.before.get("group_hits", [0, 0]))] == per_group
+    assert served.after["group_tier_hits"] == served.before.get("group_tier_hits", [0, 0])  # all from the host pool
     # The loads were timed and credited against recomputing their tokens at the rate the first pass measured.
     assert served.after["seconds_per_token_est"] > 0
     assert served.after["load_seconds"] > served.before["load_seconds"]
@@ -133,6 +134,7 @@ def test_a_new_engine_brings_every_needed_group_block_up_from_below(served, engi
     assert served.a_done["disk_pages"] == served.a_done["stores"]
     want = len(_expected(served.prompts))
     assert after["tier_hits"] == after["promoted"] == want and sum(after["group_hits"]) == want
+    assert after["group_tier_hits"] == after["group_hits"]  # per group, every block came from below
     assert after["promote_failed"] == 0 and after["failed_loads"] == 0
     # Loads before the engine timed a step are credited once it has: a fresh engine's estimate too.
     assert after["load_seconds"] > 0 and after["load_saved_seconds_est"] != 0  # any sign

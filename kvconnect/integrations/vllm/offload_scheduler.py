@@ -60,6 +60,7 @@ class OffloadScheduler:
         self.rules, self.group_ids = tuple(rules), tuple(group_ids)
         self._stats_group = next((g for g, r in enumerate(self.rules) if not r.window_tokens), 0)
         self._group_hits = np.zeros(len(self.group_ids), dtype=np.int64)  # group blocks promised to vLLM
+        self._group_tier_hits = np.zeros(len(self.group_ids), dtype=np.int64)  # of those, brought up from below
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
         self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}  # request -> (tokens, keys per group)
@@ -186,6 +187,8 @@ class OffloadScheduler:
         up = self.manager.prepare_store([k for k, h in zip(want, on_host) if not h], leading=True)
         rising = ids[~on_host]
         self._tier["tier_hits"] += rising.size
+        owner = np.repeat(np.arange(len(per_group)), per_group)  # `want` lists each group's keys in turn
+        self._group_tier_hits += np.bincount(owner[~on_host], minlength=len(per_group))
         self._meta.offload_loads.append(OffloadLoad(
             block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
             slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
@@ -295,6 +298,8 @@ class OffloadScheduler:
                        bytes_promoted=self._tier["promoted"] * self.manager.slot_bytes)
         if len(self.group_ids) > 1:  # per KV-cache group (vLLM's order): blocks a hit took from the tiers
             out["group_hits"] = self._group_hits.tolist()
+            if self.lower is not None:  # of those, the ones brought up from a lower tier (the rest: the host pool)
+                out["group_tier_hits"] = self._group_tier_hits.tolist()
         return out
 
     def shutdown(self) -> None:
