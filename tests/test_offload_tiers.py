@@ -27,7 +27,9 @@ from kvconnect.offload.tiers import PoolView
 from kvconnect.offload.tiers.chain import TierChain
 from kvconnect.offload.tiers.disk import SUFFIX, DiskTier
 from kvconnect.offload.tiers.fileio import IOV_MAX, read_all, write_all
-from kvconnect.offload.tiers.integrity import page_checksums, slot_checksums
+from kvconnect.offload.tiers import disk_load, overlap, store as store_tier, store_staging
+from kvconnect.offload.tiers.calls import InFlight
+from kvconnect.offload.tiers.integrity import RegionHasher, page_checksums, slot_checksums
 from kvconnect.offload.tiers.local_store import LocalStore
 from kvconnect.offload.tiers.store import StoreTier
 
@@ -109,6 +111,21 @@ def test_vectored_file_io_moves_more_buffers_than_one_call_takes_and_stops_at_th
     assert (tmp_path / "f").stat().st_size == 4096 + data.size
 
 
+def test_checksums_hashed_piece_by_piece_equal_the_per_page_checksum():
+    rows = tuple(np.random.default_rng(i).integers(0, 256, (9, n), dtype=np.uint8) for i, n in enumerate((512, 96, 40)))
+    pool = PoolView(rows)
+    slots = np.array([8, 1, 2, 3, 0, 6, 5])
+    keys = [bytes([i]) * 16 for i in range(slots.size)]
+    hasher = RegionHasher(keys, pool, slots)
+    for region, cuts in enumerate(([0, 3, 7], [0, 1, 2, 7], [0, 7])):
+        if region == 1:
+            with pytest.raises(ValueError):
+                hasher.add(1, 1, 2)  # a piece past the pages not yet hashed
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            hasher.add(region, lo, hi)
+    assert (hasher.digests() == page_checksums(keys, pool.gather(slots))).all()
+
+
 # ---- disk tier ----
 
 def test_disk_pages_survive_a_restart_and_load_byte_exact_in_another_process(tmp_path):
@@ -143,6 +160,51 @@ def test_disk_page_with_a_flipped_byte_is_a_miss_never_wrong_bytes(tmp_path):
     assert all(same_bytes(fresh[k], before[k]) for k in fresh), "a failed load wrote into the KV cache"
     assert conn.lookup(keys) < 8  # the bad page is forgotten, so the engine recomputes it
     conn.close()
+
+
+@pytest.mark.parametrize("handoff", [0, 1 << 40], ids=["helper-thread", "inline"])
+def test_disk_load_read_in_pieces_is_byte_exact_and_rejects_only_the_flipped_page(tmp_path, monkeypatch, handoff):
+    monkeypatch.setattr(disk_load, "PIECE_BYTES", 3 * 4096)  # three pages a piece: several per region
+    monkeypatch.setattr(overlap, "HANDOFF_BYTES", handoff)
+    rng = np.random.default_rng(7)
+    src = PoolView(tuple(rng.integers(0, 256, (10, n), dtype=np.uint8) for n in (4096, 1024)))
+    keys = [bytes([i]) * 16 for i in range(10)]
+    tier = DiskTier(tmp_path, 64 << 20)
+    tier.attach(src)
+    assert tier.put(keys, np.arange(10)).all()
+    tier.close()
+    (batch,) = tmp_path.glob(f"*{SUFFIX}")
+    raw = bytearray(batch.read_bytes())
+    raw[-1] ^= 1  # the last byte of the file: page 9's row of the last region
+    batch.write_bytes(bytes(raw))
+
+    dst = PoolView(tuple(np.zeros((12, n), dtype=np.uint8) for n in (4096, 1024)))
+    tier = DiskTier(tmp_path, 64 << 20)
+    tier.attach(dst)
+    want = [9, 0, 1, 2, 3, 4, 6, 7, 8]  # runs of the file, a gap, slots out of order
+    slots = np.array([11, 2, 3, 4, 5, 0, 1, 10, 9])
+    got = tier.get([keys[i] for i in want], slots)
+    assert got.tolist() == [False] + [True] * 8
+    assert (dst.gather(slots[1:]) == src.gather(np.array(want[1:]))).all()
+    assert tier.stats().rejected == 1
+    tier.close()
+
+
+def test_disk_load_of_a_whole_file_cut_short_after_start_rejects_only_the_pages_it_lost(tmp_path):
+    rng = np.random.default_rng(8)
+    widths = (4096, 1024)
+    src = PoolView(tuple(rng.integers(0, 256, (6, n), dtype=np.uint8) for n in widths))
+    keys = [bytes([i]) * 16 for i in range(6)]
+    tier = DiskTier(tmp_path, 64 << 20)
+    tier.attach(src)
+    assert tier.put(keys, np.arange(6)).all()
+    (batch,) = tmp_path.glob(f"*{SUFFIX}")
+    os.truncate(batch, batch.stat().st_size - 2 * 1024 + 1)  # page 5's last row and most of page 4's
+    dst = PoolView(tuple(np.zeros((6, n), dtype=np.uint8) for n in widths))
+    tier._pool = dst  # the same tier: its index still lists every page
+    assert tier.get(keys, np.arange(6)).tolist() == [True] * 4 + [False] * 2
+    assert (dst.gather(np.arange(4)) == src.gather(np.arange(4))).all()
+    tier.close()
 
 
 def test_disk_file_cut_short_is_dropped_at_start(tmp_path):
@@ -383,3 +445,34 @@ def test_store_master_stalled_bounds_lookups_and_loads_then_serves_again(mooncak
     assert reader.manager.pinned() == 0 and reader.stats().in_flight == 0  # nothing left held
     reader.close()
     conn.close()
+
+
+def test_store_batches_and_staging_are_sized_by_pages_their_trailers_aside(monkeypatch):
+    pool = PoolView((np.zeros((1, 4096), dtype=np.uint8), np.zeros((1, 4096), dtype=np.uint8)))
+    monkeypatch.setattr(store_tier, "MAX_BATCH_BYTES", 4 * pool.page_bytes)
+    monkeypatch.setattr(store_staging, "GET_STAGING_BYTES", 8 * pool.page_bytes)
+    tier = StoreTier("127.0.0.1:1")
+    tier._pool = pool
+    assert [(b.start, b.stop) for b in tier._batches(10)] == [(0, 4), (4, 8), (8, 10)]
+    staging = store_staging.StagingArea(pool, 128, InFlight(), lambda n: None)
+    assert staging.capacity == 4 and staging.rows.shape == (8, pool.page_bytes + store_staging.TRAILER_BYTES)
+
+
+def test_store_put_of_several_batches_seals_each_one_and_loads_byte_exact(mooncake_store, monkeypatch):
+    monkeypatch.setattr(store_tier, "MAX_BATCH_KEYS", 3)  # four batches, each sealed while the last is put
+    rng = np.random.default_rng(11)
+    widths = (256 << 10, 320 << 10)  # long rows: put straight from the pool with a trailer each
+    src = PoolView(tuple(rng.integers(0, 256, (10, n), dtype=np.uint8) for n in widths))
+    keys = [bytes([i]) * 16 for i in range(10)]
+    writer = StoreTier(mooncake_store.address)
+    writer.attach(src)
+    assert writer._gather is None and writer.wait_available(30)
+    assert writer.put(keys, np.arange(10)).all()
+    dst = PoolView(tuple(np.zeros((10, n), dtype=np.uint8) for n in widths))
+    reader = StoreTier(mooncake_store.address)
+    reader.attach(dst)
+    assert reader.wait_available(30)
+    assert reader.get(keys, np.arange(10)[::-1].copy()).all()
+    assert (dst.gather(np.arange(10)[::-1].copy()) == src.gather(np.arange(10))).all()
+    reader.close()
+    writer.close()

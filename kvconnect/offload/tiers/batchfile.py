@@ -24,7 +24,6 @@ import numpy as np
 import xxhash
 
 from kvconnect.errors import KVConnectError
-from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.fileio import read_all, write_all
@@ -166,6 +165,18 @@ def read_region(fd: int, rows: np.ndarray, region_offset: int, first: int, spans
     return read_all(fd, span_views(rows, spans), region_offset + first * width) // width
 
 
+def read_pages(fd: int, pool: PoolView, data_offset: int, spans: list[tuple[int, int]]) -> int:
+    """Read every page of a batch file, all regions in one vectored read, into the slots of `spans`;
+    how many pages arrived whole in every region (fewer when the file ends early)."""
+    views = [v for rows in pool.rows for v in span_views(rows, spans)]
+    got = read_all(fd, views, data_offset)
+    count = whole = sum(n for _, n in spans)
+    for rows in pool.rows:  # regions follow one another: a short file cuts the last ones first
+        whole = min(whole, max(0, got) // rows.shape[1])
+        got -= count * rows.shape[1]
+    return whole
+
+
 def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
     """Where each region's rows start in a batch file of `count` pages (regions one after another)."""
     before = np.concatenate(([0], np.cumsum(pool.row_bytes)[:-1])).astype(np.int64)
@@ -174,8 +185,10 @@ def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
 
 def slot_spans(slots: np.ndarray) -> list[tuple[int, int]]:
     """(first slot, count) per run of consecutive slots (a fresh pool hands out runs)."""
-    _, first, count = slot_runs(slots)
-    return list(zip(first.tolist(), count.tolist()))
+    slots = np.asarray(slots, dtype=np.int64)
+    # Plain lists past the one vector op: a load calls this per piece, and numpy's small ops add up.
+    bounds = [0, *(np.flatnonzero(slots[1:] - slots[:-1] != 1) + 1).tolist(), slots.size]
+    return list(zip(slots[bounds[:-1]].tolist(), (b - a for a, b in zip(bounds[:-1], bounds[1:]))))
 
 
 def span_views(rows: np.ndarray, spans: list[tuple[int, int]]) -> list[memoryview]:

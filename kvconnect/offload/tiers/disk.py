@@ -7,9 +7,9 @@ layout or namespace (another model, salt or block size) are left alone; a file o
 short or fails its header or table checksum is deleted (logged), and no file stops the start.
 
 The checksums cost about a quarter of the I/O's time, so they overlap it (`overlap`): a store hashes
-its pages on the helper thread while they are written; a load reads region by region and hashes each
-region on the helper thread while the next is read (rows longer than 64 KiB, on which xxhash
-releases the GIL; shorter ones are hashed between the reads).
+its pages on the helper thread while they are written; a load (`disk_load`) reads region by region,
+a piece of a few MiB at a time, and hashes each piece on the helper thread while the next is read (a
+load too small to pay for the hand-off hashes its rows between the reads).
 
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:
@@ -35,10 +35,10 @@ from kvconnect.errors import KVConnectError
 from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView, Tier
 from kvconnect.offload.tiers.batchfile import (
-    SUFFIX, CorruptBatchFile, data_start, encode_head, file_name, file_number, read_region, read_table,
-    region_offsets, slot_spans, write_batch,
+    SUFFIX, CorruptBatchFile, data_start, encode_head, file_name, file_number, read_table, write_batch,
 )
-from kvconnect.offload.tiers.integrity import RegionHasher, namespace_of, slot_checksums
+from kvconnect.offload.tiers.disk_load import load_pages
+from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 
 __all__ = ["SUFFIX", "DiskTier"]
 
@@ -200,7 +200,7 @@ class DiskTier(Tier):
             return ok
         new_keys = [k for k, f in zip(keys, fresh) if f]
         new_slots = slots[fresh]
-        if any(len(k) != len(new_keys[0]) for k in new_keys):
+        if len(set(map(len, new_keys))) != 1:
             raise KVConnectError("disk tier keys must all have one length")
         data_offset = data_start(len(new_keys), len(new_keys[0]))
         nbytes = len(new_keys) * pool.page_bytes
@@ -226,11 +226,11 @@ class DiskTier(Tier):
         with self._lock:
             self._files[number] = _File(path, size, data_offset, 0, new_keys)
             self._bytes += size
-            for i, key in enumerate(new_keys):
+            for i, (key, checksum) in enumerate(zip(new_keys, sums.tolist())):
                 old = self._index.get(key)
                 if old is not None:
                     self._files[old[0]].live -= 1
-                self._index[key] = (number, i, int(sums[i]))
+                self._index[key] = (number, i, checksum)
             self._files[number].live = len(new_keys)
             self._note(new_keys, ())
             self._drop_dead()
@@ -287,33 +287,16 @@ class DiskTier(Tier):
         order = np.argsort(in_file, kind="stable")
         positions, in_file = positions[order], in_file[order]
         dst = slots[positions]
-        whole = np.ones(positions.size, dtype=bool)
         try:
             fd = os.open(f.path, os.O_RDONLY)
         except OSError:
             self._reject(keys, positions, "its batch file is gone")
             return
-        # In file order, runs of consecutive pages: one read per region and run, a buffer per run of
-        # slots. Region by region, so that the helper thread hashes one region while the next is read.
-        runs = np.split(np.arange(positions.size), np.flatnonzero(np.diff(in_file) != 1) + 1)
-        reads = [(int(in_file[run[0]]), slot_spans(dst[run]), run) for run in runs]
-        hasher = RegionHasher([keys[p] for p in positions], pool, dst)
-        # Rows the hash releases the GIL on are hashed on the helper thread while the next region is
-        # read; shorter ones here, since the helper would hold the GIL that the next read waits for.
-        threaded, hashed = int(pool.row_bytes.min()) > overlap.GIL_FREE_BYTES, None
         try:
-            for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, f.data_offset, f.count))):
-                for first, spans, run in reads:
-                    whole[run[read_region(fd, rows, offset, first, spans):]] = False
-                if threaded:
-                    hashed = overlap.later(lambda r=region: hasher.add(r))
-                else:
-                    hasher.add(region)
+            whole, sums = load_pages(fd, pool, f.data_offset, f.count, in_file, dst, [keys[p] for p in positions])
         finally:
             os.close(fd)
-            if hashed is not None:
-                overlap.result(hashed)  # the helper runs in order: the last region done means all are
-        good = whole & (hasher.digests() == np.array([where[p][2] for p in positions], dtype=np.uint64))
+        good = whole & (sums == np.array([where[p][2] for p in positions], dtype=np.uint64))
         ok[positions[good]] = True
         self._count("loaded", int(good.sum()), int(good.sum()) * pool.page_bytes)
         if not good.all():

@@ -26,7 +26,7 @@ log = logging.getLogger("kvconnect.offload.store")
 
 TRAILER_MAGIC = int(np.frombuffer(b"KVCSTOR1", dtype="<u8")[0])
 TRAILER_BYTES = 16
-GET_STAGING_BYTES = 64 << 20  # two halves; verified pages are copied from here into their slots
+GET_STAGING_BYTES = 64 << 20  # of pages (and their trailers), two halves; verified pages are copied from here
 # Mooncake's codes for an object that is absent, and for one larger than the buffer given.
 NOT_FOUND, TOO_LARGE = -704, -600
 
@@ -49,7 +49,9 @@ class StagingArea:
 
     def __init__(self, pool: PoolView, max_rows: int, calls: InFlight, on_abandoned: Callable[[int], None]):
         width = pool.page_bytes + TRAILER_BYTES
-        self.rows = np.zeros((max(1, min(max_rows, GET_STAGING_BYTES // width)), width), dtype=np.uint8)
+        # Sized by pages, the trailers besides: 64 MiB holds 32 pages of 2 MiB (four calls for 64 pages,
+        # not five with a short last one).
+        self.rows = np.zeros((max(1, min(max_rows, GET_STAGING_BYTES // pool.page_bytes)), width), dtype=np.uint8)
         half = max(1, self.rows.shape[0] // 2)
         self._halves = [_Half(self.rows[i:i + half]) for i in range(0, self.rows.shape[0] - half + 1, half)]
         self._pool = pool
