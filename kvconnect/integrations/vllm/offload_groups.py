@@ -22,11 +22,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvconnect.integrations.vllm.groups import GroupRule
-from kvconnect.offload.keys import group_keys
 
 # vLLM's null block (the first block of its pool): what a sliding-window group has outside its window.
 NULL_BLOCK = 0
-__all__ = ["NULL_BLOCK", "group_blocks", "group_keys", "hit_blocks", "stored_blocks"]
 
 
 def hit_blocks(present: Sequence[np.ndarray], rules: Sequence[GroupRule], start: int) -> int:

@@ -32,9 +32,9 @@ from kvconnect.integrations.vllm import dump
 from kvconnect.integrations.vllm.groups import GroupRule
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import StatsFile
-from kvconnect.integrations.vllm.offload_groups import group_blocks, group_keys, hit_blocks, stored_blocks
+from kvconnect.integrations.vllm.offload_groups import group_blocks, hit_blocks, stored_blocks
 from kvconnect.integrations.vllm.tiers import lower_index
-from kvconnect.offload.keys import block_keys
+from kvconnect.offload.keys import block_keys, group_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
 from kvconnect.offload.recompute import ComputeRate
 from kvconnect.offload.tiers import leading

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from kvconnect.errors import KVConnectError
+from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.fileio import read_all, write_all
@@ -185,10 +186,8 @@ def region_offsets(pool: PoolView, data_offset: int, count: int) -> list[int]:
 
 def slot_spans(slots: np.ndarray) -> list[tuple[int, int]]:
     """(first slot, count) per run of consecutive slots (a fresh pool hands out runs)."""
-    slots = np.asarray(slots, dtype=np.int64)
-    # Plain lists past the one vector op: a load calls this per piece, and numpy's small ops add up.
-    bounds = [0, *(np.flatnonzero(slots[1:] - slots[:-1] != 1) + 1).tolist(), slots.size]
-    return list(zip(slots[bounds[:-1]].tolist(), (b - a for a, b in zip(bounds[:-1], bounds[1:]))))
+    _, first, count = slot_runs(np.asarray(slots, dtype=np.int64))
+    return list(zip(first.tolist(), count.tolist()))
 
 
 def span_views(rows: np.ndarray, spans: list[tuple[int, int]]) -> list[memoryview]:

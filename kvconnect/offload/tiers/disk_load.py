@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.batchfile import read_pages, read_region, region_offsets, slot_spans
@@ -34,8 +35,8 @@ def load_pages(fd: int, pool: PoolView, data_offset: int, count: int, in_file: n
     # In file order, runs of consecutive pages cut into pieces: one read per region and piece, a
     # buffer per run of slots.
     per = max(1, PIECE_BYTES // int(pool.row_bytes.max()))
-    runs = [0, *(np.flatnonzero(np.diff(in_file) != 1) + 1).tolist(), in_file.size]
-    bounds = [lo for a, b in zip(runs[:-1], runs[1:]) for lo in range(a, b, per)] + [in_file.size]
+    starts, _, lengths = slot_runs(in_file)
+    bounds = [lo for a, n in zip(starts.tolist(), lengths.tolist()) for lo in range(a, a + n, per)] + [in_file.size]
     pieces = [(int(in_file[lo]), slot_spans(dst[lo:hi]), lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     whole = np.ones(in_file.size, dtype=bool)
     hasher = RegionHasher(keys, pool, dst)
