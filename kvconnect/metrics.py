@@ -37,6 +37,13 @@ offload_misses = Counter("kvconnect_offload_misses", "Blocks not found in the CP
 offload_evictions = Counter("kvconnect_offload_evictions", "Blocks evicted from the CPU tier")
 tier_pages = Counter("kvconnect_offload_tier_pages", "Pages through the lower offload tiers, by tier and event "
                      "(stored, store_failed, loaded, missed, rejected)", ["tier", "event"])
+# Under vLLM with several KV-cache groups, counted by the offload scheduler as it promises a hit, like its
+# stats file's `group_hits`/`group_tier_hits`; `group` is the group's index in vLLM's KV-cache config.
+offload_group_hits = Counter("kvconnect_offload_group_hits", "Blocks offload hits took from the tiers, by KV-cache "
+                             "group (its index in vLLM's KV-cache config)", ["group"])
+offload_group_tier_hits = Counter(
+    "kvconnect_offload_group_tier_hits", "Of the blocks offload hits took, those brought up from a lower tier "
+    "(disk, store), by KV-cache group (its index in vLLM's KV-cache config)", ["group"])
 # Under vLLM, from the offload workers' connector stats (TP rank 0); their difference is the time loads saved.
 offload_load_seconds = Counter("kvconnect_offload_load_seconds", "Seconds offload loads took, start to usable blocks")
 offload_recompute_est_seconds = Counter(

@@ -114,3 +114,14 @@ def test_keys_that_name_no_sample_of_ours_do_not_parse() -> None:
                 "kvconnect_transfer_seconds_bucket{backend=nixl}", "kvconnect_failures_total{stage=a,stage2=b}",
                 "process_cpu_seconds_total", "kvconnect_transfer_bytes_total{backend=nixl}x"):
         assert metrics.parse_sample(key) is None, key
+
+
+def test_per_group_offload_hits_keep_vllms_group_index_through_a_snapshot() -> None:
+    # Under vLLM these samples ride in the connector stats as snapshot keys and are parsed back in the API server.
+    for metric in (metrics.offload_group_hits, metrics.offload_group_tier_hits):
+        assert "index in vLLM's KV-cache config" in metric.describe()[0].documentation
+        metric.labels("3").inc(5)
+        name = metric.describe()[0].name + "_total"
+        assert metrics.parse_sample(f"{name}{{group=3}}") == (metric, "_total", {"group": "3"})
+        assert metrics.snapshot()[f"{name}{{group=3}}"] == metrics.value(name, {"group": "3"}) >= 5
+        assert metrics.parse_sample(f"{name}") is None  # a group counter's sample always names its group

@@ -16,12 +16,19 @@ window reaches into.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from collections import defaultdict
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
 
-from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, serve_again_from_tier, wait_for
+from harness import (Engine, add_tokenizer, kv_config, make_tiny, prompts_of, read_stats, serve_again_from_tier,
+                     wait_for)
+from test_proxy_e2e import Server, _free_port, _scrape
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -94,7 +101,8 @@ def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
     below = {name: _from_below(model, d, f"gemma2-{name}", [tier], prompts)
              for name, tier in (("b", shared), ("c", disk))}
     return SimpleNamespace(prompts=prompts, first=first, second=_tokens(out), before=before, after=after,
-                           a_done=a_done, below=below, dirs={n: d / f"gemma2-{n}" for n in "abc"})
+                           a_done=a_done, below=below, dirs={n: d / f"gemma2-{n}" for n in "abc"}, model=model,
+                           disk=disk)
 
 
 def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
@@ -154,6 +162,77 @@ def test_every_group_block_loaded_is_the_block_stored_byte_for_byte(served, engi
                 assert np.array_equal(a[name], b[name]), f"{kind} group, block {block}, {name}"
 
 
+def _api_server(model, name: str, extra: dict):
+    """`vllm serve` of the tiny model with KVConnectOffload (and `extra`), its reset endpoint on."""
+    add_tokenizer(model)  # the OpenAI server needs one; the model's path, part of the tier's namespace, stays A's
+    port = _free_port()
+    kv = kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", "tiny", "--max-model-len", "2048", "--dtype", "float32",
+            "--max-num-seqs", "16", "--seed", "0", "--enforce-eager", "--enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(kv)]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_SERVER_DEV_MODE="1",
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    return Server(name, argv, env, f"http://127.0.0.1:{port}")
+
+
+def _complete(url: str, prompts) -> None:
+    r = httpx.post(url + "/v1/completions", timeout=300, json={"model": "tiny", "prompt": prompts, "temperature": 0,
+                                                               "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    assert r.status_code == 200 and len(r.json()["choices"]) == len(prompts), r.text
+
+
+def _metrics_show(url: str, stats: dict) -> None:
+    """vLLM's /metrics shows, per group, the hits and tier hits of the stats file (the engine's whole life)."""
+    # Both of the model's groups are the tier's: vLLM's index of a group is its place in the stats lists.
+    names = {"group_hits": "kvconnect_offload_group_hits_total",
+             "group_tier_hits": "kvconnect_offload_group_tier_hits_total"}
+    want = {(name, (("group", str(g)),)): n for key, name in names.items() for g, n in enumerate(stats[key])}
+
+    def shown() -> dict:
+        got = _scrape(url)[1]
+        return {k: got.get(k, 0) for k in want}
+
+    try:
+        wait_for(lambda: shown() == want, 60, "/metrics to show what the stats file does")
+    except AssertionError:
+        assert shown() == want
+        raise
+
+
+def test_the_api_servers_metrics_count_each_groups_hits_and_tier_hits_as_the_stats_file_does(served) -> None:
+    """`vllm serve` over A's disk alone: its first pass brings every block up from below, its second (after
+    vLLM's prefix cache is reset) takes them from the host pool; /metrics follows the stats file each time."""
+    d = served.dirs["a"].parent
+    stats = d / "gemma2-d.json"
+    want = _expected(served.prompts)
+    per_group = [sum(kind == k for k, _, _ in want) for kind in ("sliding", "full")]
+    server = _api_server(served.model, "gemma2-d", {"cpu_bytes": 64 << 20, "stats_path": str(stats),
+                                                     "tiers": [served.disk]})
+    try:
+        server.wait_healthy(420)
+        _complete(server.url, served.prompts)
+        up = wait_for(lambda: (s := read_stats(stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
+                      >= len(want) and s, 120, "the API server's engine to bring the blocks up")
+        assert up["promote_failed"] == 0 and up["group_hits"] == up["group_tier_hits"] == per_group
+        _metrics_show(server.url, up)
+
+        def reset() -> bool:
+            _complete(server.url, prompts_of([3], seed=1))  # a step, for a store still in flight to report
+            return httpx.post(server.url + "/reset_prefix_cache", timeout=60).json()["success"]
+
+        wait_for(reset, 120, "reset_prefix_cache to succeed")
+        _complete(server.url, served.prompts)
+        again = wait_for(lambda: (s := read_stats(stats)) and sum(s["group_hits"]) >= sum(up["group_hits"]) + len(want)
+                         and s, 60, "the second pass's hits")
+        assert [a - b for a, b in zip(again["group_hits"], up["group_hits"])] == per_group
+        assert again["group_tier_hits"] == up["group_tier_hits"]  # all from the host pool
+        _metrics_show(server.url, again)
+    finally:
+        server.close()
+
+
 # ---- the scheduler's per-group plans, without an engine ----
 
 SLIDING, FULL = 0, 1
@@ -166,12 +245,12 @@ def _rules():
     return (GroupRule(block_size=16, window_blocks=3, window_tokens=20), GroupRule(block_size=16))
 
 
-def _scheduler(**config):
+def _scheduler(group_ids=(0, 1), **config):
     from kvconnect.integrations.vllm.config import OffloadConfig
     from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
 
     return OffloadScheduler(OffloadConfig(cpu_bytes=1 << 20, **config), block_size=16, num_slots=32, slot_bytes=1024,
-                            rules=_rules(), group_ids=(0, 1))
+                            rules=_rules(), group_ids=group_ids)
 
 
 def _request(rid: str, n: int):
@@ -218,6 +297,48 @@ def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
     sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
     load = sched.build_meta().offload_loads[0]
     assert load.invalid_block_ids == [33] and 33 not in load.block_ids
+
+
+def test_each_groups_hits_reach_the_api_servers_metrics_labelled_with_vllms_group_index(tmp_path):
+    """Per-group hits and tier hits travel as the offload hits do: the scheduler's process counts them,
+    its connector stats carry the increments, and the API server's Prometheus hook adds them up."""
+    from kvconnect import metrics
+    from kvconnect.integrations.vllm.config import DiskTierConfig
+    from kvconnect.integrations.vllm.connectors import KVConnectOffload
+    from kvconnect.integrations.vllm.meta import KVConnectWorkerMeta
+    from kvconnect.integrations.vllm.stats import AT, PROCESS_METRICS, KVConnectStats, source
+    from kvconnect.offload.keys import block_keys, group_keys
+
+    # vLLM's groups 1 (sliding) and 2 (full) are the tier's; group 0 is one it does not keep.
+    sched = _scheduler(group_ids=(1, 2), tiers=[DiskTierConfig(path=str(tmp_path / "kv-disk"))])
+    _store(sched, "a", 6 * 16, ([9] * 6, [0] * 6, [20, 21, 22, 23, 24, 25]))  # the full group's blocks, on host
+    sliding = group_keys(block_keys(list(range(6 * 16)), 16), 2)[0]
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, finished_sending=None,
+                                                  kv_connector_worker_meta=KVConnectWorkerMeta(
+                                                      disk_stored=sliding[4:6])))  # the window's, on disk only
+    PROCESS_METRICS.take()  # what this process counted before the hit
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (6 * 16, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1] * 7, [0, 0, 0, 0, 40, 41, 0], [50, 51, 52, 53, 54, 55, 56]))
+    sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
+    stats = sched.stats()
+    assert stats["group_hits"] == [2, 6] and stats["group_tier_hits"] == [2, 0]
+
+    reported = KVConnectOffload.get_kv_connector_stats(SimpleNamespace(worker=None))  # the scheduler half's
+    here = f"{AT}{source()}"
+    mine = {k.removesuffix(here): v for k, v in reported.data.items() if "_group_" in k}
+    assert mine == {"kvconnect_offload_group_hits_total{group=1}": 2, "kvconnect_offload_group_hits_total{group=2}": 6,
+                    "kvconnect_offload_group_tier_hits_total{group=1}": 2}
+    # In the API server: from an engine process (another source), merged with a worker's step as vLLM does.
+    merged = KVConnectStats(data={"blocks_loaded": 6}).aggregate(
+        KVConnectStats(data={k.replace(here, f"{AT}engine-core:7"): v for k, v in reported.data.items()}))
+    prom = KVConnectOffload.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), defaultdict(lambda: None),
+                                               [], {})
+    names = [("kvconnect_offload_group_hits_total", g) for g in "012"] + \
+            [("kvconnect_offload_group_tier_hits_total", g) for g in "012"]
+    before = [metrics.value(n, {"group": g}) for n, g in names]
+    prom.observe(merged.data)
+    assert [metrics.value(n, {"group": g}) - b for (n, g), b in zip(names, before)] == [0, 2, 6, 0, 2, 0]
+    sched.shutdown()
 
 
 def test_state_layers_are_refused_naming_exactly_what_stops_them():

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from kvconnect import metrics
 from kvconnect.integrations.vllm.config import OffloadConfig
 from kvconnect.integrations.vllm import dump
 from kvconnect.integrations.vllm.groups import GroupRule
@@ -44,9 +45,18 @@ from kvconnect.offload.tiers import leading
 _LOAD_KEYS = ("load_seconds", "load_recompute_seconds_est", "load_saved_seconds_est")
 
 if TYPE_CHECKING:
+    from prometheus_client import Counter
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+def _count_groups(counter: Counter, group_ids: Sequence[int], per_group: Sequence[int]) -> None:
+    """Add each group's blocks to a per-group counter, labelled with vLLM's index of the group."""
+    # In the scheduler's process; its connector stats carry the increments to vLLM's /metrics (`prom`).
+    for group, n in zip(group_ids, per_group):
+        if n:
+            counter.labels(str(group)).inc(int(n))
 
 
 class OffloadScheduler:
@@ -173,6 +183,7 @@ class OffloadScheduler:
         want, ids, missing, per_group = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
                                                      lambda k: k in below or self.manager.contains(k))
         self._group_hits += np.asarray(per_group, dtype=np.int64)
+        _count_groups(metrics.offload_group_hits, self.group_ids, per_group)
         self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
         on_host = np.fromiter((k not in below for k in want), dtype=bool, count=len(want))
         plan = self.manager.prepare_load([k for k, h in zip(want, on_host) if h])
@@ -188,7 +199,9 @@ class OffloadScheduler:
         rising = ids[~on_host]
         self._tier["tier_hits"] += rising.size
         owner = np.repeat(np.arange(len(per_group)), per_group)  # `want` lists each group's keys in turn
-        self._group_tier_hits += np.bincount(owner[~on_host], minlength=len(per_group))
+        from_below = np.bincount(owner[~on_host], minlength=len(per_group))
+        self._group_tier_hits += from_below
+        _count_groups(metrics.offload_group_tier_hits, self.group_ids, from_below)
         self._meta.offload_loads.append(OffloadLoad(
             block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
             slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
