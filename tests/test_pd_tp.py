@@ -33,16 +33,23 @@ SHARED_LOCAL = [[40, 2, 4, 10], [41, 3, 63]]
 # either side, a replicated latent, and a hybrid page whose Mamba-like states split by channel and head.
 CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-hnd-4"), (2, 2, "tp-hnd-8"), (2, 1, "tp-nhd-8"), (1, 2, "tp-nhd-8"),
          (4, 2, "tp-hnd-2"), (1, 4, "tp-hnd-2"), (2, 1, "tp-mla"), (1, 2, "tp-mla"), (2, 1, "tp-hybrid"),
-         (1, 2, "tp-hybrid"), (2, 1, "tp-shared"), (1, 2, "tp-shared")]
+         (1, 2, "tp-hybrid"), (2, 1, "tp-shared"), (1, 2, "tp-shared"), (2, 1, "tp-aux"), (1, 2, "tp-aux")]
 # Mooncake runs the same code paths above the transport: a cross-section of the cases.
-MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (2, 1, "tp-mla"), (1, 2, "tp-hybrid"), (2, 1, "tp-shared")]
+MOONCAKE_CASES = [(2, 1, "tp-hnd-4"), (1, 2, "tp-nhd-8"), (2, 1, "tp-mla"), (1, 2, "tp-hybrid"), (2, 1, "tp-shared"),
+                  (2, 1, "tp-aux")]
+# tp-aux: the request's attention pages, and one row of a group every rank holds whole.
+AUX_REMOTE, AUX_LOCAL = [REMOTE[0], [9]], [LOCAL[0], [11]]
 
 
 def _groups(kind: str) -> list[list[int]]:
+    if kind == "tp-aux":
+        return AUX_LOCAL
     return SHARED_LOCAL if kind == "tp-shared" else [LOCAL[0]] * (2 if kind == "tp-hybrid" else 1)
 
 
 def _remote(kind: str) -> list[list[int]]:
+    if kind == "tp-aux":
+        return AUX_REMOTE
     return SHARED_REMOTE if kind == "tp-shared" else [REMOTE[0]] * (2 if kind == "tp-hybrid" else 1)
 
 
@@ -90,13 +97,16 @@ def _pages(caches: dict[str, torch.Tensor], ids: list[int]) -> dict[str, np.ndar
 
 def assert_shard_landed(caches: dict[str, torch.Tensor], kind: str, d_tp: int, r: int, how: str) -> None:
     """Decode rank `r` of `d_tp` holds its shard of the prefill's pages at LOCAL, and no other block was written."""
-    local = _flat(_groups(kind))
-    want = _pages(tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)[0], _flat(_remote(kind)))
-    got = _pages(caches, local)
-    for name in want:
-        assert np.array_equal(got[name], want[name]), f"decode rank {r} of {d_tp}, {name}: bytes differ"
-    untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
-    assert not any(_pages(caches, untouched)[name].any() for name in caches), f"a block not {how} was written"
+    theirs, groups, _ = tp_caches(kind, NUM_BLOCKS, PRODUCER_SEED, tp=d_tp, rank=r)
+    if kind == "tp-aux":  # groups of their own tensors: each tensor compared at its group's blocks
+        per_name = {name: (lg, rg) for g, lg, rg in zip(groups, _groups(kind), _remote(kind)) for name in g.layers}
+    else:  # every tensor holds the blocks of every group
+        per_name = {name: (_flat(_groups(kind)), _flat(_remote(kind))) for name in caches}
+    for name, (local, remote) in per_name.items():
+        got, want = _pages({name: caches[name]}, local)[name], _pages({name: theirs[name]}, remote)[name]
+        assert np.array_equal(got, want), f"decode rank {r} of {d_tp}, {name}: bytes differ"
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(local))
+        assert not _pages({name: caches[name]}, untouched)[name].any(), f"a block of {name} not {how} was written"
 
 
 def _run(backend, producers, made, p_tp, d_tp, kind):

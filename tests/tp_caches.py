@@ -8,7 +8,9 @@ tokens, K|V]` or `[tokens, heads, K|V]`), `tp-mla` (a latent every rank holds wh
 channel, and an SSM state sharded by head), `tp-shared` (a hybrid as vLLM lays it: an attention layer
 and a Mamba2 layer viewing one tensor, each group using its own blocks of it: blocks of even id hold
 attention pages, odd ones Mamba2 state pages padded to the attention page's size, cut here as vLLM
-shards them and described by `kvconnect.shards.mamba2_state`) and `tp-plain-H` (attention with no split described).
+shards them and described by `kvconnect.shards.mamba2_state`), `tp-aux` (a group of attention pages split by
+head beside a group of rows every rank holds whole, as SGLang's aux rows: between TP sizes one prefill
+rank supplies a decode rank heads and no row) and `tp-plain-H` (attention with no split described).
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def tp_caches(kind: str, num_blocks: int, seed: int, tp: int = 1, rank: int = 0
             caches[name] = full.transpose(1, 2).contiguous() if family == "nhd" else full.contiguous()
             if family != "plain":
                 shards[name] = attention(TOKENS, n, HEAD_BYTES, heads, heads_outer=family != "nhd")
+    elif family == "aux":
+        first, n = owned(4, tp, rank)
+        for i in range(2):
+            name = f"layers.{i}.attn"
+            full = _global(seed, name, num_blocks, 4, TOKENS, HEAD_BYTES)[:, first:first + n]
+            caches[name] = full.transpose(1, 2).contiguous()
+            shards[name] = attention(TOKENS, n, HEAD_BYTES, 4, heads_outer=False)
+        caches["aux.0"] = _global(seed, "aux.0", num_blocks, 96)
+        shards["aux.0"] = replicated(96)
+        groups = [KVGroup(layers=("layers.0.attn", "layers.1.attn"), label="kv"),
+                  KVGroup(layers=("aux.0",), label="aux")]
     elif family == "mla":
         for i in range(2):
             name = f"layers.{i}.mla"

@@ -237,6 +237,8 @@ class NixlTransport(Transport):
                                                        peer.dlist, table_indices(peer.offsets, sel, rids), b"")
             else:
                 local, remote = peer.pairing.rows(selection)
+                if local.shape[0] == 0:  # paired by slices, this peer rank holds none of the selection's bytes
+                    return _Xfer(None, None, peer_id, TransferState.DONE)
                 handle = self._agent.initialize_xfer(op, self._agent.get_xfer_descs(local, self._kind.value),
                                                      self._agent.get_xfer_descs(remote, peer.kind.value),
                                                      peer.agent, b"")
