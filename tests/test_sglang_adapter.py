@@ -56,7 +56,8 @@ def _kv_args(kv: list[torch.Tensor], aux: list[torch.Tensor], **kw) -> SimpleNam
     return SimpleNamespace(kv_data_ptrs=[t.data_ptr() for t in kv], kv_data_lens=[t.nbytes for t in kv],
                            kv_item_lens=[t[0].nbytes for t in kv], aux_data_ptrs=[t.data_ptr() for t in aux],
                            aux_data_lens=[t.nbytes for t in aux], aux_item_lens=[t[0].nbytes for t in aux],
-                           page_size=kw.get("page_size", 1), state_types=kw.get("state_types", []))
+                           page_size=kw.get("page_size", 1), state_types=kw.get("state_types", []),
+                           kv_head_num=kw.get("heads", 1), total_kv_head_num=kw.get("total_heads", kw.get("heads", 1)))
 
 
 def test_params_naming_a_host_the_bootstrap_did_not_name_are_foreign() -> None:
@@ -73,7 +74,7 @@ def test_sglang_buffers_become_regions_over_the_same_bytes() -> None:
     layers = [torch.randn(2, 33, 2, 8, dtype=torch.float16) for _ in range(3)]  # per layer [K|V, slots, heads, dim]
     kv = [t[0] for t in layers] + [t[1] for t in layers]  # SGLang: K of every layer, then V
     aux = [torch.randint(0, 99, (16, 16), dtype=torch.int32), torch.randn(16, 4, dtype=torch.float32)]
-    held = buffers.from_kv_args(_kv_args(kv, aux), "cpu")
+    held = buffers.from_kv_args(_kv_args(kv, aux, heads=2), "cpu")
     rs = RegionSet.from_kv_caches(held.tensors, layer_groups=[g.layers for g in held.groups])
     assert len(rs) == len(kv) + len(aux)
     assert [g.label for g in held.groups] == ["kv", "aux"]
@@ -103,7 +104,7 @@ def test_a_page_digest_changes_with_any_byte_of_the_request_and_no_other() -> No
     def held():
         kv = [torch.zeros(9, 2, 4, dtype=torch.float16) for _ in range(4)]
         aux = [torch.zeros(5, 8, dtype=torch.int32)]
-        return kv, aux, buffers.from_kv_args(_kv_args(kv, aux), "cpu")
+        return kv, aux, buffers.from_kv_args(_kv_args(kv, aux, heads=2), "cpu")
 
     (kv_a, aux_a, a), (kv_b, aux_b, b) = held(), held()
     pages = np.array([2, 5, 6])

@@ -32,7 +32,7 @@ COMMON = ["--device", "cpu", "--host", "127.0.0.1", "--dtype", "float16", "--max
           "--disable-overlap-schedule", "--chunked-prefill-size", "256"]
 
 _MODEL = r'''
-import sys, torch
+import json, sys, torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import PreTrainedTokenizerFast, LlamaConfig, LlamaForCausalLM
 out = sys.argv[1]
@@ -44,18 +44,25 @@ tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 tok.decoder = decoders.WordPiece(prefix="##")
 PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(out)
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  bos_token_id=1, eos_token_id=2)
+cfg = LlamaConfig(vocab_size=len(vocab), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                  **json.loads(sys.argv[2]))
 LlamaForCausalLM(cfg).save_pretrained(out)
 '''
 
 
-def make_model(path: Path) -> Path:
-    """A tiny random Llama (4 layers, 2 KV heads, word-level tokenizer) saved at `path`, built once."""
+# The e2e model: 4 layers, 2 KV heads of 64, about 2 KiB of KV per token in float16.
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2}
+# For timing transfers: 16 KiB of KV per token (16 layers, 4 KV heads of 64) for little more compute.
+KV_HEAVY = {"hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4,
+            "num_key_value_heads": 4}
+
+
+def make_model(path: Path, shape: dict | None = None) -> Path:
+    """A random Llama of `shape` (default `TINY`) with a word-level tokenizer, saved at `path`, built once."""
     if not (path / "model.safetensors").exists():
-        subprocess.run([PY, "-c", _MODEL, str(path)], check=True, timeout=600, stdout=subprocess.DEVNULL,
-                       env={**os.environ, **ENV})
+        subprocess.run([PY, "-c", _MODEL, str(path), json.dumps(shape or TINY)], check=True, timeout=600,
+                       stdout=subprocess.DEVNULL, env={**os.environ, **ENV})
     return path
 
 
@@ -81,6 +88,10 @@ def http(url: str, payload: dict | None = None, timeout: float = REQUEST_S) -> t
         return status, body
 
 
+class PortTaken(RuntimeError):
+    """A server could not bind a port `free_port` gave it: another process took it in between."""
+
+
 class Server:
     """One process group (an SGLang server or the router) with its log file."""
 
@@ -95,6 +106,8 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited rc={self.proc.returncode}:\n{self.tail()}")
+            if "error while attempting to bind on address" in self.log.read_text(errors="replace"):
+                raise PortTaken(f"{self.name}: a port it was given was taken first:\n{self.tail()}")
             try:
                 if http(self.health, timeout=5)[0] == 200:
                     return
@@ -148,22 +161,44 @@ def plain_outputs(name: str, model: Path, logdir: Path, prompts: list[list[int]]
     return {tuple(p): o for p, o in zip(prompts, outs)}
 
 
+def tp_args(tp: int) -> tuple[list[str], dict]:
+    """The flags and environment of a server of `tp` ranks: each rank on a core of its own (SGLang's CPU
+    engine asks for it past one rank per NUMA node)."""
+    if tp == 1:
+        return [], {}
+    return ["--tp", str(tp)], {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
+                                                                      for i in range(tp))}
+
+
 class PDSet:
     """A prefill and a decode server with one transfer backend, behind sglang_router's mini load balancer."""
 
     def __init__(self, model: Path, logdir: Path, backend: str, env: dict | None = None, tag: str = "",
-                 extra: list[str] | None = None):
+                 extra: list[str] | None = None, tp: tuple[int, int] = (1, 1)):
         """`tag` prefixes the servers' log names (a second set with the same backend keeps its own logs);
-        `extra` flags go to both servers."""
+        `extra` flags go to both servers; `tp`: the prefill's and the decode's TP sizes."""
         self.backend, self.logdir, self.servers = backend, logdir, []
-        name = f"{tag}{backend}"
+        for attempt in range(3):
+            try:
+                self._start(model, logdir, f"{tag}{backend}", env, extra, tp)
+                return
+            except PortTaken:  # a free port was taken before the server bound it: new ports, new servers
+                if attempt == 2:
+                    raise
+
+    def _start(self, model: Path, logdir: Path, name: str, env: dict | None, extra: list[str] | None,
+               tp: tuple[int, int]) -> None:
+        self.servers = []
         self.bootstrap = free_port()
-        pd = ["--disaggregation-transfer-backend", backend, *(extra or [])]
+        pd = ["--disaggregation-transfer-backend", self.backend, *(extra or [])]
+        (p_flags, p_env), (d_flags, d_env) = (tp_args(n) for n in tp)
         try:
-            self.prefill, self.prefill_url = self._add(sglang(f"prefill-{name}", model, logdir, pd + [
-                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)], env))
-            self.decode, self.decode_url = self._add(sglang(f"decode-{name}", model, logdir, pd + [
-                "--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "cpu_tensor"], env))
+            self.prefill, self.prefill_url = self._add(sglang(f"prefill-{name}", model, logdir, pd + p_flags + [
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)],
+                {**(env or {}), **p_env}))
+            self.decode, self.decode_url = self._add(sglang(f"decode-{name}", model, logdir, pd + d_flags + [
+                "--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+                {**(env or {}), **d_env}))
             deadline = time.monotonic() + START_S
             self.prefill.wait_ready(deadline)
             self.decode.wait_ready(deadline)

@@ -5,11 +5,14 @@ flags), sends every set the same prompts one request at a time (streaming, greed
 backend and prompt length the median time to first token seen by the client and the median decode-side
 wait (SGLang's per-request `transfer_duration` on the decode: from its destination pages sent to the
 prefill until the pages and the first token arrived; it includes the prefill's compute), each with its
-ratio to the baseline's. Both Mooncake backends run Mooncake over TCP. A backend whose tokens differ
+ratio to the baseline's. `--model kv-heavy` uses a model with 8 times the KV per token of the e2e
+model, so that the transfer is a larger share of the wait. Both Mooncake backends run Mooncake over
+TCP. A backend whose tokens differ
 from the baseline's for the same prompt, or a failed request, makes the run fail (exit 1): a time is
 only worth reporting for a transfer that delivered the right pages.
 
     .venv-sglang/bin/python integration/sglang/ttft_vs_mooncake.py [--rounds 5] [--lengths 64,512,1500]
+        [--model tiny|kv-heavy]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from harness import REQUEST_S, PDSet, make_model, prompts_of
+from harness import KV_HEAVY, REQUEST_S, TINY, PDSet, make_model, prompts_of
 
 BASELINE = "mooncake"
 # SGLang's Mooncake backend defaults to RDMA; kvconnect's Mooncake transport runs TCP unless told otherwise.
@@ -33,6 +36,7 @@ ENV = {"MOONCAKE_PROTOCOL": "tcp"}
 # Per-request stage times in the servers' logs (the decode's `transfer_duration`).
 FLAGS = ["--enable-request-time-stats-logging"]
 _STATS = re.compile(r"ReqTimeStats\(rid=(\S+?),.*type=decode\).*?transfer_duration=([0-9.]+)ms")
+SHAPES = {"tiny": TINY, "kv-heavy": KV_HEAVY}
 
 
 def stream_ttft(url: str, rid: str, ids: list[int], max_new_tokens: int) -> tuple[float, list[int]]:
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests per length before the rounds")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvconnect-sglang-bench"))
+    ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
+                    help="tiny: the e2e model; kv-heavy: 8 times its KV per token")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     backends = [BASELINE] + [b for b in a.backends.split(",") if b and b != BASELINE]
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     a.workdir.mkdir(parents=True, exist_ok=True)
     logdir = a.workdir / "logs"
     logdir.mkdir(exist_ok=True)
-    model = make_model(a.workdir / "tiny-llama")
+    model = make_model(a.workdir / f"{a.model}-llama", SHAPES[a.model])
     # The same prompts for every backend, a fresh one per round (no prefix-cache hit on the prefill).
     prompts = {n: prompts_of([n] * a.rounds, seed=n) for n in lengths}
     results, waits = {}, {}
@@ -154,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f"{b} {n} tokens, round {r}" for b in backends for n in lengths for r in range(a.rounds)
            if results[b][n][r][2] != results[BASELINE][n][r][2]]
     print(f"\n{a.rounds} timed rounds per backend and length (after {a.warmup} warm-up requests per length), "
-          f"one request at a time, {a.max_new_tokens} new tokens, greedy; medians; ratio = backend / {BASELINE}")
+          f"one request at a time, {a.max_new_tokens} new tokens, greedy; medians; ratio = backend / {BASELINE}; "
+          f"model {a.model}")
     print("TTFT: client-side, through sglang_router --mini-lb, streaming. decode wait: the decode's "
           "transfer_duration (pages offered to the prefill until KV and first token arrived)")
     print("\n".join(table(results, waits, lengths)))

@@ -1,9 +1,11 @@
 """The decode half of the kvconnect SGLang manager: pull a request's pages once its params arrive.
 
 SGLang's receiver tells the prefill where to send the params (`build_receiver_metadata_message`);
-the pages and aux row it allocated stay here, by room. When the params arrive the load starts
-(`KVConnector.start_load`: handshake, claim, READs, done notice, all bounded); its result sets the
-room's status. A load that cannot start releases the prefill's lease at once.
+the pages and aux row it allocated stay here, by room. Every decode rank asks every prefill
+attention-TP rank (`_resolve_rank_mapping`), so the params of all prefill ranks arrive; once they
+did, the load starts (`KVConnector.start_load`: handshake, claim, READs of the heads this rank holds
+from each prefill rank that holds them, done notices, all bounded); its result sets the room's
+status. A load that cannot start releases the prefill's leases at once.
 
 An aborted or failed request's pages go back to SGLang only once its load ended: SGLang holds them
 (its deferred KV release, see `deferral`) until `is_abort_release_safe` says kvconnect reported the
@@ -24,6 +26,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from kvconnect import wire
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.sglang import digest, faults, frames
+from kvconnect.integrations.sglang.gather import RankParams, unpaired
 from kvconnect.integrations.sglang.prefill_side import lease_id
 
 log = logging.getLogger(__name__)
@@ -36,7 +39,9 @@ class DecodeSide:
         self._dests: dict[int, tuple[np.ndarray, int]] = {}  # room -> (pages, aux row)
         self._loads: dict[str, tuple[int, np.ndarray, int]] = {}  # load handle -> (room, pages, aux row)
         self._sources: dict[int, frozenset[str]] = {}  # room -> the prefill ranks' hosts SGLang's bootstrap named
-        self._refused_tp: set[str] = set()  # prefill bootstrap addresses of another attention TP size
+        self._refused: set[str] = set()  # prefill bootstrap addresses of a layout kvconnect does not pair
+        # Params of every prefill rank, per room, until all arrived (forgotten once their leases ran out).
+        self._gather = RankParams(max_age_s=self.connector.config.lease_s + self.connector.config.load_timeout_s)
         # Held across a room's check and its load's start, so an abort sees either no load or one it can cancel.
         self._rooms_lock = threading.Lock()
         self._delay_s, self._hold_s = faults.load_delay_s(), faults.read_hold_s()
@@ -62,22 +67,31 @@ class DecodeSide:
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """SGLang's fetch of the prefill's parallel layout; a layout kvconnect cannot pair with reads as none.
 
-        Each rank registers its own KV heads as whole pages, so a decode rank reads the prefill rank of
-        its own index: the attention TP sizes must be equal. A prefill of another size is logged and
-        left out of SGLang's table, so SGLang's bounded retries end its requests aborted (raising here
-        would stop the decode server over one request's prefill).
+        Attention TP sizes may differ (the pages split by head); pipeline and context parallel prefills
+        are not paired. Such a prefill is logged and left out of SGLang's table, so SGLang's bounded
+        retries end its requests aborted (raising here would stop the decode server over one request's
+        prefill).
         """
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         info = self.prefill_info_table[bootstrap_addr]
-        if int(info.attn_tp_size) == int(self.attn_tp_size):
+        why = unpaired(info, self.attn_tp_size, self.held.heads is not None)
+        if not why:
             return True
         del self.prefill_info_table[bootstrap_addr]
-        if bootstrap_addr not in self._refused_tp:  # SGLang asks again every second until it gives up
-            self._refused_tp.add(bootstrap_addr)
-            log.error("kvconnect sglang decode: prefill %s runs attention TP %s, this decode %s; kvconnect pairs equal "
-                      "TP sizes only: its requests fail", bootstrap_addr, info.attn_tp_size, self.attn_tp_size)
+        if bootstrap_addr not in self._refused:  # SGLang asks again every second until it gives up
+            self._refused.add(bootstrap_addr)
+            log.error("kvconnect sglang decode: prefill %s: %s: its requests fail", bootstrap_addr, why)
         return False
+
+    def _resolve_rank_mapping(self, info: Any) -> None:
+        """Every decode rank asks every prefill attention-TP rank: kvconnect reads each rank's heads
+        from whichever prefill ranks hold them, so it needs the params of all of them."""
+        super()._resolve_rank_mapping(info)
+        info.target_tp_rank = None
+        info.target_tp_ranks = list(range(int(info.attn_tp_size)))
+        info.required_dst_info_num = int(self.attn_tp_size)
+        info.required_prefill_response_num = int(info.attn_tp_size)
 
     def expect_params_from(self, room: int, hosts: frozenset[str]) -> None:
         """The room's params must name these hosts only (its prefill ranks, as SGLang's bootstrap gave them)."""
@@ -87,15 +101,32 @@ class DecodeSide:
         if msg and msg[0] == frames.PARAMS:
             got = frames.parse_params(msg)
             if got is not None:
-                if self._delay_s > 0:
-                    log.warning("kvconnect sglang decode: fault injection: room %s read in %g s", got[0], self._delay_s)
-                    time.sleep(self._delay_s)
-                self._start_load(got[0], got[2])
+                self._on_params(*got)
             return
         parsed = self.parse_kv_status_message(msg)
         if parsed is not None:
             room, status, rank, reason = parsed
             self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason)
+
+    def _on_params(self, room: int, rank: int, params: wire.TransferParams) -> None:
+        """One prefill rank's params; the load starts once every rank's arrived."""
+        ranks = self.required_prefill_response_num_table.get(room)
+        got = self._gather.add(room, rank, params, int(ranks or 1))
+        if got is None:
+            return
+        if got.error:
+            log.warning("kvconnect sglang decode: room %s: %s", room, got.error)
+            with self._rooms_lock:
+                self._dests.pop(room, None)
+                self._sources.pop(room, None)
+                if room in self.request_status:
+                    self.record_failure(room, f"kvconnect: {got.error}")
+                    self.update_status(room, KVPoll.Failed)
+            return
+        if self._delay_s > 0:
+            log.warning("kvconnect sglang decode: fault injection: room %s read in %g s", room, self._delay_s)
+            time.sleep(self._delay_s)
+        self._start_load(room, got.params)
 
     def _start_load(self, room: int, params: wire.TransferParams) -> None:
         with self._rooms_lock:
@@ -154,6 +185,7 @@ class DecodeSide:
 
     def abort_load(self, room: int) -> None:
         """The receiver gave up: forget the room's pages and fail its load if one runs."""
+        self._gather.drop(room)
         with self._rooms_lock:
             self._dests.pop(room, None)
             self._sources.pop(room, None)

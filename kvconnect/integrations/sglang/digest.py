@@ -3,7 +3,10 @@ prefill held, byte for byte, without copying caches out of the servers.
 
 With `KVCONNECT_SGLANG_PAGE_DIGESTS=1` the prefill logs the digest of the pages it holds for a room and
 the decode the digest of the pages it loaded for that room (`kvconnect sglang digest room=R pages=N sha256=H
-rank=K`, K the attention TP rank: with TP each rank holds its own heads of the room's pages).
+rank=K`, K the attention TP rank: with TP each rank holds its own heads of the room's pages). Where pages
+split by head, each side also logs a digest per global KV head over every KV buffer's pages, and one of
+the aux rows (`kvconnect sglang head digests room=R heads=G:H,... aux=H rank=K`): servers of different TP
+sizes hold different heads per page, and the same head must carry the same bytes on both.
 """
 
 from __future__ import annotations
@@ -34,8 +37,30 @@ def pages_digest(held: Buffers, pages: np.ndarray, aux: int) -> str:
     return h.hexdigest()
 
 
+def head_digests(held: Buffers, pages: np.ndarray, aux: int) -> tuple[dict[int, str], str]:
+    """(sha256 per global KV head over every KV buffer's pages in order, sha256 of the aux rows); needs
+    `held.heads`."""
+    kv, aux_group = held.groups
+    heads = held.heads
+    per_head = [hashlib.sha256() for _ in range(heads.count)]
+    for name in kv.layers:
+        rows = held.tensors[name].numpy()[np.asarray(pages, dtype=np.int64)]
+        rows = rows.reshape(len(rows), held.page_size, heads.count, -1)
+        for i, h in enumerate(per_head):
+            h.update(np.ascontiguousarray(rows[:, :, i]).tobytes())
+    rows = hashlib.sha256()
+    for name in aux_group.layers:
+        rows.update(held.tensors[name].numpy()[aux].tobytes())
+    return {heads.first + i: h.hexdigest() for i, h in enumerate(per_head)}, rows.hexdigest()
+
+
 def log_digest(held: Buffers, room: int, pages: np.ndarray, aux: int, rank: int = 0) -> None:
-    """Log the room's digest on TP rank `rank` (only when enabled)."""
-    if enabled():
-        log.info("kvconnect sglang digest room=%d pages=%d sha256=%s rank=%d", room, len(pages),
-                 pages_digest(held, pages, aux), rank)
+    """Log the room's digests on TP rank `rank` (only when enabled)."""
+    if not enabled():
+        return
+    log.info("kvconnect sglang digest room=%d pages=%d sha256=%s rank=%d", room, len(pages),
+             pages_digest(held, pages, aux), rank)
+    if held.heads is not None:
+        heads, aux_sha = head_digests(held, pages, aux)
+        log.info("kvconnect sglang head digests room=%d heads=%s aux=%s rank=%d", room,
+                 ",".join(f"{g}:{sha}" for g, sha in heads.items()), aux_sha, rank)

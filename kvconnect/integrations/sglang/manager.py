@@ -48,6 +48,26 @@ def settings(env: dict[str, str] | None = None) -> dict[str, float]:
     return out
 
 
+def kv_heads(args: Any, server_args: Any, tp: int) -> tuple[int, int]:
+    """(KV heads of one rank, of the model): from `KVArgs` where SGLang set them (a prefill), else from the
+    model's config by SGLang's own rule (a decode's `KVArgs` gets them only after its manager started)."""
+    count, total = getattr(args, "kv_head_num", 0), getattr(args, "total_kv_head_num", 0)
+    if count and total:
+        return int(count), int(total)
+    from sglang.srt.configs.model_config import ModelConfig
+
+    config = ModelConfig.from_server_args(server_args)
+    return int(config.get_num_kv_heads(tp)), int(config.get_total_num_kv_heads())
+
+
+def engine_id(role: str, server_args: Any) -> str:
+    """The kvconnect engine id of a server, the same on each of its TP ranks: a decode gathers the params
+    of every prefill rank into one load, which names one engine (a restart is told by its incarnation)."""
+    if role == "consumer":
+        return f"sglang-consumer-{uuid.uuid4().hex[:12]}"  # readers are told apart by (engine id, rank)
+    return f"sglang-producer-{server_args.host}:{server_args.port}"
+
+
 class KVConnectManager(PrefillSide, DecodeSide, CommonKVManager):
     """SGLang's KV manager with kvconnect's data path; `transport` is set per backend name."""
 
@@ -67,11 +87,13 @@ class KVConnectManager(PrefillSide, DecodeSide, CommonKVManager):
         if not self.prefill:
             limits["load_timeout_s"] = deferral.check(self.enable_deferred_decode_kv_release, limits["load_timeout_s"],
                                                       explicit=deferral.LOAD_TIMEOUT in os.environ)
-        held = buffers.from_kv_args(args, str(server_args.device))
+        tp, rank = int(self.attn_tp_size), int(self.attn_tp_rank)
+        held = buffers.from_kv_args(args, str(server_args.device), tp=tp, rank=rank, mla=bool(is_mla_backend),
+                                    kv_heads=None if is_mla_backend else kv_heads(args, server_args, tp))
         role = "producer" if self.prefill else "consumer"
-        config = ConnectorConfig(engine_id=f"sglang-{role}-{uuid.uuid4().hex[:12]}", role=role,
-                                 backend=self.transport, host=self.local_ip, block_size=int(args.page_size),
-                                 groups=list(held.groups), **limits)
+        config = ConnectorConfig(engine_id=engine_id(role, server_args), role=role, backend=self.transport,
+                                 host=self.local_ip, block_size=int(args.page_size), groups=list(held.groups),
+                                 rank=rank, world_size=tp, shards=held.shards() or None, **limits)
         self.connector = KVConnector(config, transport=None if self.prefill else faults.decode_transport(config))
         self.connector.register_kv_caches(held.tensors)
         self.held = held
