@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from typing import Callable, Iterator
 
 import msgspec
@@ -831,6 +832,28 @@ def test_call_many_answers_each_peer_alone_within_one_deadline() -> None:
     assert results[0] == wire.Ack(live=("r",))
     assert isinstance(results[1], HandshakeError) and "no connection" in str(results[1])
     assert isinstance(results[2], wire.HandshakeReply)
+
+
+def test_a_caller_paused_past_the_connect_bound_still_takes_a_connection_that_came_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The caller's thread is not scheduled between opening the socket and its first look: by the time
+    # it looks, the connect bound has passed on its clock, yet the connection is up and must be used.
+    from kvconnect.sidechannel import client
+
+    real = time.monotonic
+    calls = []
+
+    def paused() -> float:
+        calls.append(None)
+        if len(calls) == 2:
+            time.sleep(0.3)
+        return real() + (0.0 if len(calls) == 1 else 2.0)
+
+    beat = wire.Heartbeat(engine_id="decode-0", rank=0, request_ids=("r",))
+    with serve(control=Recorder()) as live:
+        monkeypatch.setattr(client, "time", types.SimpleNamespace(monotonic=paused, time=time.time))
+        reply = call("127.0.0.1", live.port, beat, timeout=30.0, connect_timeout=1.0)
+    assert reply == wire.Ack(live=("r",))
 
 
 # --------------------------------------------------------------------------------------------------

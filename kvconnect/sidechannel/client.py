@@ -162,18 +162,10 @@ def _collect(pending: dict, results: list, targets: Sequence[Target], key: bytes
         poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
     while unsent or waiting:
         now = time.monotonic()
-        if unsent and now >= connected_by:
-            for sock in unsent:
-                i, endpoint = pending[sock][:2]
-                results[i] = HandshakeError(f"no connection to {endpoint} within {connected_by - start:g} s "
-                                            "(nothing listening, refused, unreachable or stopped)")
-                poller.unregister(sock)
-            unsent = set()
-            continue
-        if now >= deadline:
-            break
         wake = min(connected_by, deadline) if unsent else deadline
-        for sock, events in poller.poll(max(1, int((wake - now) * 1000))):
+        # A bound is judged only after one more look at the sockets: a caller that was not scheduled for
+        # a while (a loaded host, a long hold of the GIL) must not fail a connection that came up meanwhile.
+        for sock, events in poller.poll(max(1, int((wake - now) * 1000)) if now < wake else 0):
             if sock in unsent and events & zmq.POLLOUT:
                 sock.send(pending[sock][3], zmq.NOBLOCK)
                 unsent.discard(sock)
@@ -184,6 +176,15 @@ def _collect(pending: dict, results: list, targets: Sequence[Target], key: bytes
                 poller.unregister(sock)
                 i, endpoint, nonce, _ = pending[sock]
                 results[i] = _read_reply(sock, endpoint, nonce, key, targets[i].message)
+        if unsent and now >= connected_by:
+            for sock in unsent:
+                i, endpoint = pending[sock][:2]
+                results[i] = HandshakeError(f"no connection to {endpoint} within {connected_by - start:g} s "
+                                            "(nothing listening, refused, unreachable or stopped)")
+                poller.unregister(sock)
+            unsent = set()
+        if now >= deadline:
+            break
     for sock in waiting:
         i, endpoint = pending[sock][:2]
         results[i] = HandshakeError(f"{endpoint} did not answer within {deadline - start:g} s")
