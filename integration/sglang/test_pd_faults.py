@@ -1,6 +1,7 @@
 """Faults through real SGLang servers with kvconnect's backend: each request ends as SGLang expects (an
 aborted request, never wrong tokens or a hang) and the surviving server keeps serving."""
 
+import os
 import random
 import re
 import signal
@@ -67,6 +68,51 @@ def test_prefill_killed_before_decode_reads_aborts_the_request_with_a_typed_fail
     # kvconnect's typed failure (the handshake or claim found nobody), not SGLang's heartbeat.
     reason = _wait_for_line(pair.decode.log, rf"room {boot['bootstrap_room']} failed: kvconnect: [^\n]*", 60)
     print(f"request: {out['error'][:200]}\ndecode: {reason[:300]}")
+    assert http(f"{pair.decode_url}/health", timeout=30)[0] == 200
+
+
+def _rank_pid(server, title: str) -> int:
+    """The pid of the process of `server`'s group whose title is `title` (an SGLang scheduler rank)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == server.proc.pid and \
+                    open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")[0].decode() == title:
+                return int(entry)
+        except (OSError, UnicodeDecodeError):
+            continue
+    raise AssertionError(f"no process titled {title} in {server.name}'s group")
+
+
+@pytest.fixture
+def slow_reader_tp21(model, logdir, reference):
+    pair = PDSet(model, logdir, "kvconnect-nixl", env=ENV, tag="faults-tp21-", tp=(2, 1))
+    yield pair
+    pair.stop()
+
+
+def test_one_prefill_rank_killed_after_the_decode_gathered_fails_the_request_with_a_typed_failure(slow_reader_tp21):
+    # A TP-1 decode reads each request from both ranks of a TP-2 prefill: with one of them gone, the
+    # load must fail as a whole (half the heads are not a page), in time, and the decode keeps serving.
+    pair = slow_reader_tp21
+    ids = prompts_of([300], seed=4)[0]
+    room = random.randrange(2**63)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap, "bootstrap_room": room}
+    out: dict = {}
+    decode = threading.Thread(target=lambda: out.update(generate(pair.decode_url, ids, extra=boot)))
+    prefill = threading.Thread(target=lambda: generate(pair.prefill_url, ids, extra=boot), daemon=True)
+    decode.start()
+    prefill.start()
+    # Both prefill ranks' params arrived (the load waits DELAY_S before reading): kill rank 1 alone.
+    _wait_for_line(pair.decode.log, rf"fault injection: room {room} read in", 300)
+    os.kill(_rank_pid(pair.prefill, "sglang::scheduler_TP1"), signal.SIGKILL)
+    t0 = time.monotonic()
+    decode.join(timeout=300)
+    assert not decode.is_alive(), "the decode request did not end"
+    assert "error" in out, f"a request with one prefill rank dead before its pages were read returned tokens: {out}"
+    reason = _wait_for_line(pair.decode.log, rf"room {room} failed: kvconnect: [^\n]*", 60)
+    print(f"ended {time.monotonic() - t0:.1f} s after the kill\nrequest: {out['error'][:200]}\ndecode: {reason[:300]}")
     assert http(f"{pair.decode_url}/health", timeout=30)[0] == 200
 
 

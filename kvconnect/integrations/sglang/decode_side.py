@@ -119,9 +119,7 @@ class DecodeSide:
             with self._rooms_lock:
                 self._dests.pop(room, None)
                 self._sources.pop(room, None)
-                if room in self.request_status:
-                    self.record_failure(room, f"kvconnect: {got.error}")
-                    self.update_status(room, KVPoll.Failed)
+                self._fail_room(room, got.error)
             return
         if self._delay_s > 0:
             log.warning("kvconnect sglang decode: fault injection: room %s read in %g s", room, self._delay_s)
@@ -137,10 +135,8 @@ class DecodeSide:
                 # Neither read nor released: the named host is not the room's prefill, so nothing goes to it.
                 log.warning("kvconnect sglang decode: params for room %s name host(s) %s, SGLang's bootstrap named "
                             "%s: refused", room, foreign, sorted(sources))
-                if dest is not None and room in self.request_status:
-                    self.record_failure(room, f"kvconnect: params name prefill host(s) {foreign}, not the "
-                                              "bootstrapped prefill's")
-                    self.update_status(room, KVPoll.Failed)
+                if dest is not None:
+                    self._fail_room(room, f"params name prefill host(s) {foreign}, not the bootstrapped prefill's")
                 return
             if dest is None or room not in self.request_status or self.check_status(room) == KVPoll.Failed:
                 log.info("kvconnect sglang decode: params for room %s, which waits for none: lease released", room)
@@ -154,13 +150,18 @@ class DecodeSide:
                 self.connector.start_load(params, [pages, [aux]], handle=handle, decoded=True)
             except KVConnectError as exc:
                 self._loads.pop(handle, None)
-                self.record_failure(room, f"kvconnect: load refused: {exc}")
-                self.update_status(room, KVPoll.Failed)
+                self._fail_room(room, f"load refused: {exc}")
                 self._release(params)
                 return
         if self._hold_s > 0:
             log.warning("kvconnect sglang decode: fault injection: room %s READ held %g s", room, self._hold_s)
         self.update_status(room, KVPoll.Transferring)
+
+    def _fail_room(self, room: int, why: object) -> None:
+        # A room SGLang already cleared is left alone: a failure recorded for it would be kept forever.
+        if room in self.request_status:
+            self.record_failure(room, f"kvconnect: {why}")
+            self.update_status(room, KVPoll.Failed)
 
     def _release(self, params: wire.TransferParams) -> None:
         try:
@@ -179,9 +180,7 @@ class DecodeSide:
             room = self._loads.pop(handle, (None,))[0]
             if room is not None:
                 log.warning("kvconnect sglang decode: room %s failed: kvconnect: %s", room, failure)
-                if room in self.request_status:  # a room SGLang already cleared would keep the record forever
-                    self.record_failure(room, f"kvconnect: {failure}")
-                    self.update_status(room, KVPoll.Failed)
+                self._fail_room(room, failure)
 
     def abort_load(self, room: int) -> None:
         """The receiver gave up: forget the room's pages and fail its load if one runs."""

@@ -48,10 +48,10 @@ def head_digests(held: Buffers, pages: np.ndarray, aux: int) -> tuple[dict[int, 
         rows = rows.reshape(len(rows), held.page_size, heads.count, -1)
         for i, h in enumerate(per_head):
             h.update(np.ascontiguousarray(rows[:, :, i]).tobytes())
-    rows = hashlib.sha256()
+    aux_hash = hashlib.sha256()
     for name in aux_group.layers:
-        rows.update(held.tensors[name].numpy()[aux].tobytes())
-    return {heads.first + i: h.hexdigest() for i, h in enumerate(per_head)}, rows.hexdigest()
+        aux_hash.update(held.tensors[name].numpy()[aux].tobytes())
+    return {heads.first + i: h.hexdigest() for i, h in enumerate(per_head)}, aux_hash.hexdigest()
 
 
 def log_digest(held: Buffers, room: int, pages: np.ndarray, aux: int, rank: int = 0) -> None:
