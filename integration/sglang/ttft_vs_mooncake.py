@@ -5,14 +5,17 @@ flags), sends every set the same prompts one request at a time (streaming, greed
 backend and prompt length the median time to first token seen by the client and the median decode-side
 wait (SGLang's per-request `transfer_duration` on the decode: from its destination pages sent to the
 prefill until the pages and the first token arrived; it includes the prefill's compute), each with its
-ratio to the baseline's. `--model kv-heavy` uses a model with 8 times the KV per token of the e2e
-model, so that the transfer is a larger share of the wait. Both Mooncake backends run Mooncake over
-TCP. A backend whose tokens differ
-from the baseline's for the same prompt, or a failed request, makes the run fail (exit 1): a time is
-only worth reporting for a transfer that delivered the right pages.
+ratio to the baseline's. `--cycles N` starts every backend's set N times, in turn and in alternating
+order (A B C, then C B A, ...), and pools the rounds: a set's compute speed differs from the next set's
+by several percent on a shared 2-core host, and a drift over the run would otherwise favour whichever
+backend runs first; each set's own median is printed too. `--model kv-heavy` uses a model with 8 times
+the KV per token of the e2e model, so that the transfer is a larger share of the wait. Both Mooncake
+backends run Mooncake over TCP. A backend whose tokens differ from the baseline's for the same prompt,
+or a failed request, makes the run fail (exit 1): a time is only worth reporting for a transfer that
+delivered the right pages.
 
     .venv-sglang/bin/python integration/sglang/ttft_vs_mooncake.py [--rounds 5] [--lengths 64,512,1500]
-        [--model tiny|kv-heavy]
+        [--model tiny|kv-heavy] [--cycles 1]
 """
 
 from __future__ import annotations
@@ -79,18 +82,20 @@ def decode_waits(log: Path) -> dict[str, float]:
 
 
 def run_backend(backend: str, model: Path, logdir: Path, prompts: dict[int, list[list[int]]], warmup: int,
-                max_new_tokens: int) -> dict[int, list[tuple[str, float, list[int]]]]:
-    """Per prompt length: (rid, TTFT, output ids) per timed round, from one P/D set started and stopped here."""
-    pd = PDSet(model, logdir, backend, env=ENV, extra=FLAGS)
+                max_new_tokens: int, tag: str = "") -> dict[int, list[tuple[str, float, list[int]]]]:
+    """Per prompt length: (rid, TTFT, output ids) per timed round, from one P/D set started and stopped here
+    (`tag`: this set's prefix for its logs and request ids)."""
+    pd = PDSet(model, logdir, backend, env=ENV, extra=FLAGS, tag=tag)
     try:
         # Warm-up: the first requests of a set open connections and handshakes; they are not timed.
         for n in prompts:
             for i in range(warmup):
-                stream_ttft(pd.url, f"warm-{backend}-{n}-{i}", prompts_of([n], seed=10_000 + i)[0], max_new_tokens)
+                stream_ttft(pd.url, f"warm-{tag}{backend}-{n}-{i}", prompts_of([n], seed=10_000 + i)[0],
+                            max_new_tokens)
         out: dict[int, list] = {n: [] for n in prompts}
         for r in range(max(len(v) for v in prompts.values())):
             for n, rounds in prompts.items():  # lengths interleaved, so drift over the run hits each alike
-                rid = f"bench-{backend}-{n}-{r}"
+                rid = f"bench-{tag}{backend}-{n}-{r}"
                 out[n].append((rid, *stream_ttft(pd.url, rid, rounds[r], max_new_tokens)))
         time.sleep(2)  # the decode logs a request's stage times as it finishes; let the last line land
     finally:
@@ -132,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests per length before the rounds")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvconnect-sglang-bench"))
+    ap.add_argument("--cycles", type=int, default=1,
+                    help="sets per backend, started in turn in alternating order; their rounds are pooled")
     ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
                     help="tiny: the e2e model; kv-heavy: 8 times its KV per token")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     backends = [BASELINE] + [b for b in a.backends.split(",") if b and b != BASELINE]
-    if a.rounds < 1 or a.warmup < 0 or min(lengths) < 1 or max(lengths) > 1900:
-        ap.error("rounds >= 1, warmup >= 0, lengths 1..1900 (the model's context is 2048)")
+    if a.cycles < 1 or a.rounds < 1 or a.warmup < 0 or min(lengths) < 1 or max(lengths) > 1900:
+        ap.error("cycles >= 1, rounds >= 1, warmup >= 0, lengths 1..1900 (the model's context is 2048)")
     # SIGTERM (make interrupted, a job killed) unwinds through the finally blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda sig, _f: sys.exit(128 + sig))
     a.workdir.mkdir(parents=True, exist_ok=True)
@@ -147,19 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     model = make_model(a.workdir / f"{a.model}-llama", SHAPES[a.model])
     # The same prompts for every backend, a fresh one per round (no prefix-cache hit on the prefill).
     prompts = {n: prompts_of([n] * a.rounds, seed=n) for n in lengths}
-    results, waits = {}, {}
-    for backend in backends:
-        t = time.monotonic()
-        try:
-            results[backend] = run_backend(backend, model, logdir, prompts, a.warmup, a.max_new_tokens)
-        except (RuntimeError, OSError) as exc:  # a server that did not start, a failed or timed-out request
-            print(f"FAIL: {backend}: {exc}\nlogs: {logdir}")
-            return 1
-        waits[backend] = decode_waits(logdir / f"decode-{backend}.log")
-        print(f"{backend}: set started, measured and stopped in {time.monotonic() - t:.0f} s", flush=True)
-    bad = [f"{b} {n} tokens, round {r}" for b in backends for n in lengths for r in range(a.rounds)
+    results: dict[str, dict[int, list]] = {b: {n: [] for n in lengths} for b in backends}
+    waits: dict[str, dict[str, float]] = {b: {} for b in backends}
+    for cycle in range(a.cycles):
+        tag = f"c{cycle}-" if a.cycles > 1 else ""
+        for backend in backends if cycle % 2 == 0 else backends[::-1]:
+            t = time.monotonic()
+            try:
+                got = run_backend(backend, model, logdir, prompts, a.warmup, a.max_new_tokens, tag)
+            except (RuntimeError, OSError) as exc:  # a server that did not start, a failed or timed-out request
+                print(f"FAIL: {backend}: {exc}\nlogs: {logdir}")
+                return 1
+            for n in lengths:
+                results[backend][n].extend(got[n])
+            waits[backend].update(decode_waits(logdir / f"decode-{tag}{backend}.log"))
+            per_set = ", ".join(f"{n} tokens {median_ms([x for _, x, _ in got[n]])} ms" for n in lengths)
+            print(f"{tag}{backend}: set started, measured and stopped in {time.monotonic() - t:.0f} s; "
+                  f"median TTFT {per_set}", flush=True)
+    bad = [f"{b} {n} tokens, round {r}" for b in backends for n in lengths for r in range(a.rounds * a.cycles)
            if results[b][n][r][2] != results[BASELINE][n][r][2]]
-    print(f"\n{a.rounds} timed rounds per backend and length (after {a.warmup} warm-up requests per length), "
+    sets = f"{a.cycles} sets per backend in alternating order, " if a.cycles > 1 else ""
+    print(f"\n{sets}{a.rounds} timed rounds per set and length (after {a.warmup} warm-up requests per length), "
           f"one request at a time, {a.max_new_tokens} new tokens, greedy; medians; ratio = backend / {BASELINE}; "
           f"model {a.model}")
     print("TTFT: client-side, through sglang_router --mini-lb, streaming. decode wait: the decode's "
