@@ -47,28 +47,39 @@ def _wait_for_line(path, pattern: str, timeout: float) -> str:
     raise AssertionError(f"no line matching {pattern!r} in {path} within {timeout} s")
 
 
-def test_prefill_killed_before_decode_reads_aborts_the_request_with_a_typed_failure(slow_reader):
-    pair = slow_reader
-    ids = prompts_of([300], seed=3)[0]
+def _killed_before_read(pair, ids: list[int], kill) -> float:
+    """Send a request to `pair`'s decode and prefill, call `kill` once the decode holds the params and
+    waits to read, and check that the request then ends with kvconnect's typed failure and the decode
+    stays healthy; returns the seconds from the kill to the request's end."""
     # The router's two requests, sent here so that the decode's outlives the prefill (the router would
     # drop it together with the prefill's connection, before kvconnect is asked to read anything).
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap, "bootstrap_room": random.randrange(2**63)}
+    room = random.randrange(2**63)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap, "bootstrap_room": room}
     out: dict = {}
     decode = threading.Thread(target=lambda: out.update(generate(pair.decode_url, ids, extra=boot)))
     prefill = threading.Thread(target=lambda: generate(pair.prefill_url, ids, extra=boot), daemon=True)
     decode.start()
     prefill.start()
-    # The decode got the params (the prefill computed and holds the pages): kill the prefill now.
-    _wait_for_line(pair.decode.log, rf"fault injection: room {boot['bootstrap_room']} read in", 300)
-    pair.prefill.kill(signal.SIGKILL)
-    pair.prefill.proc.wait(timeout=30)
+    _wait_for_line(pair.decode.log, rf"fault injection: room {room} read in", 300)
+    kill()
+    t0 = time.monotonic()
     decode.join(timeout=300)
+    ended = time.monotonic() - t0
     assert not decode.is_alive(), "the decode request did not end"
     assert "error" in out, f"a request whose prefill died before its pages were read returned tokens: {out}"
     # kvconnect's typed failure (the handshake or claim found nobody), not SGLang's heartbeat.
-    reason = _wait_for_line(pair.decode.log, rf"room {boot['bootstrap_room']} failed: kvconnect: [^\n]*", 60)
-    print(f"request: {out['error'][:200]}\ndecode: {reason[:300]}")
+    reason = _wait_for_line(pair.decode.log, rf"room {room} failed: kvconnect: [^\n]*", 60)
+    print(f"ended {ended:.1f} s after the kill\nrequest: {out['error'][:200]}\ndecode: {reason[:300]}")
     assert http(f"{pair.decode_url}/health", timeout=30)[0] == 200
+    return ended
+
+
+def test_prefill_killed_before_decode_reads_aborts_the_request_with_a_typed_failure(slow_reader):
+    def kill() -> None:
+        slow_reader.prefill.kill(signal.SIGKILL)
+        slow_reader.prefill.proc.wait(timeout=30)
+
+    _killed_before_read(slow_reader, prompts_of([300], seed=3)[0], kill)
 
 
 def _rank_pid(server, title: str) -> int:
@@ -96,24 +107,8 @@ def test_one_prefill_rank_killed_after_the_decode_gathered_fails_the_request_wit
     # A TP-1 decode reads each request from both ranks of a TP-2 prefill: with one of them gone, the
     # load must fail as a whole (half the heads are not a page), in time, and the decode keeps serving.
     pair = slow_reader_tp21
-    ids = prompts_of([300], seed=4)[0]
-    room = random.randrange(2**63)
-    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap, "bootstrap_room": room}
-    out: dict = {}
-    decode = threading.Thread(target=lambda: out.update(generate(pair.decode_url, ids, extra=boot)))
-    prefill = threading.Thread(target=lambda: generate(pair.prefill_url, ids, extra=boot), daemon=True)
-    decode.start()
-    prefill.start()
-    # Both prefill ranks' params arrived (the load waits DELAY_S before reading): kill rank 1 alone.
-    _wait_for_line(pair.decode.log, rf"fault injection: room {room} read in", 300)
-    os.kill(_rank_pid(pair.prefill, "sglang::scheduler_TP1"), signal.SIGKILL)
-    t0 = time.monotonic()
-    decode.join(timeout=300)
-    assert not decode.is_alive(), "the decode request did not end"
-    assert "error" in out, f"a request with one prefill rank dead before its pages were read returned tokens: {out}"
-    reason = _wait_for_line(pair.decode.log, rf"room {room} failed: kvconnect: [^\n]*", 60)
-    print(f"ended {time.monotonic() - t0:.1f} s after the kill\nrequest: {out['error'][:200]}\ndecode: {reason[:300]}")
-    assert http(f"{pair.decode_url}/health", timeout=30)[0] == 200
+    _killed_before_read(pair, prompts_of([300], seed=4)[0],
+                        lambda: os.kill(_rank_pid(pair.prefill, "sglang::scheduler_TP1"), signal.SIGKILL))
 
 
 def _digests(path) -> dict[str, str]:
