@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections import defaultdict
 from types import SimpleNamespace
@@ -42,11 +43,11 @@ def _tokens(out: dict) -> list[list[int]]:
     return [o["token_ids"] for o in out["outputs"]]
 
 
-def _engine(model, d, name: str, tiers: list[dict]) -> tuple[Engine, object]:
-    """An engine with a host pool over `tiers`, dumping its pages to `d/name`."""
+def _engine(model, d, name: str, tiers: list[dict], **kv) -> tuple[Engine, object]:
+    """An engine with a host pool over `tiers`, dumping its pages to `d/name` (`kv`: more of vLLM's KV config)."""
     stats = d / f"{name}.json"
     extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats), "tiers": tiers}
-    engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
+    engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra, **kv),
                     core="nobind", name=name, env={"KVCONNECT_DUMP_DIR": str(d / name)},
                     llm={"enable_prefix_caching": True})
     engine.wait_ready()
@@ -146,6 +147,31 @@ def test_a_new_engine_brings_every_needed_group_block_up_from_below(served, engi
     assert after["promote_failed"] == 0 and after["failed_loads"] == 0
     # Loads before the engine timed a step are credited once it has: a fresh engine's estimate too.
     assert after["load_seconds"] > 0 and after["load_saved_seconds_est"] != 0  # any sign
+
+
+def test_a_corrupt_page_below_fails_its_request_which_is_recomputed_and_the_engine_serves_on(served, tmp_path):
+    # vLLM 0.32 raises (and its engine dies) on block-level load errors for a model of several groups:
+    # a page that fails its check must fail its request instead, which vLLM then recomputes.
+    disk = tmp_path / "kv-disk"
+    shutil.copytree(served.disk["path"], disk)  # the other tests read A's directory as it was written
+    batches = sorted(disk.glob("*.kvt"))
+    assert batches
+    for batch in batches:
+        raw = bytearray(batch.read_bytes())
+        raw[-100] ^= 0xFF  # the last page of the last region of every batch
+        batch.write_bytes(bytes(raw))
+    D, stats = _engine(served.model, tmp_path, "gemma2-d", [{**served.disk, "path": str(disk)}],
+                       kv_load_failure_policy="recompute")
+    try:
+        assert _tokens(D.generate(served.prompts, max_tokens=MAX_TOKENS)) == served.first
+        after = wait_for(lambda: (s := read_stats(stats)) and s.get("promote_failed", 0) and s, 60,
+                         "engine D to report the failed promotion")
+        print("corrupt disk pages, engine D:", after)
+        assert after["failed_loads"] > 0
+        # Still serving: the same prompts again, now stored by D's own recompute or computed.
+        assert _tokens(D.generate(served.prompts, max_tokens=MAX_TOKENS)) == served.first
+    finally:
+        D.close()
 
 
 @pytest.mark.parametrize("engine", ["a", "b", "c"])
@@ -274,21 +300,25 @@ def test_a_hit_needs_every_full_attention_block_and_the_sliding_window_blocks_on
     _store(sched, "a", 6 * 16, ([0, 0, 0, 0, 14, 15], [20, 21, 22, 23, 24, 25]))
     # A prompt of 6 blocks + 1 token: the hit of 6 blocks needs the full group's 0-5 and, for the
     # window of 20 tokens before token 96, the sliding blocks 4 and 5.
-    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (6 * 16, False)
+    # Asynchronous even from the host pool: only a request waiting for its load can be failed by it.
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (6 * 16, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 0, 40, 41, 0], [50, 51, 52, 53, 54, 55, 56]))
     sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
     load = sched.build_meta().offload_loads[0]
     assert sorted(load.block_ids) == [40, 41, 50, 51, 52, 53, 54, 55] and load.invalid_block_ids == []
+    assert load.request_id == "b" and load.fail_request and load.fetch_keys == []
 
 
 def test_a_sliding_window_block_the_tier_lacks_shortens_the_hit():
     sched = _scheduler()
     _store(sched, "a", 6 * 16, ([0, 0, 12, 13, 0, 15], [20, 21, 22, 23, 24, 25]))
     # Sliding block 4 is missing: hits ending at blocks 6 and 5 need it; the one ending at 4 needs 2 and 3.
-    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (4 * 16, False)
+    assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0) == (4 * 16, True)
 
 
-def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
+def test_an_allocated_block_the_tier_does_not_hold_fails_the_request_rather_than_naming_the_block():
+    # vLLM 0.32 raises on block-level load errors for a model of several groups (block ids repeat
+    # across groups): the load carries the block as not loadable and fails its request instead.
     sched = _scheduler()
     _store(sched, "a", 6 * 16, ([0, 0, 0, 0, 14, 15], [20, 21, 22, 23, 24, 25]))
     assert sched.get_num_new_matched_tokens(_request("b", 6 * 16 + 1), 0)[0] == 6 * 16
@@ -297,6 +327,7 @@ def test_an_allocated_block_the_tier_does_not_hold_is_reported_for_recompute():
     sched.update_state_after_alloc(_request("b", 6 * 16 + 1), blocks, 6 * 16)
     load = sched.build_meta().offload_loads[0]
     assert load.invalid_block_ids == [33] and 33 not in load.block_ids
+    assert load.request_id == "b" and load.fail_request
 
 
 def test_each_groups_hits_reach_the_api_servers_metrics_labelled_with_vllms_group_index(tmp_path):

@@ -258,8 +258,14 @@ class KVConnectOffload(_Facade):
         """The tier's counters (scheduler side): lookups, hits, misses, stores, loads, bytes..."""
         return self.scheduler.stats()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        w = self.worker
+        return KVConnectorTransferResults(finished_sending=w.finished_sending(), finished_recving=w.finished_recving(),
+                                          failed_recving=w.failed_recving())
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.finished_sending() or None, self.worker.finished_recving() or None
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.invalid_blocks()

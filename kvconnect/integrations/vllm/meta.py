@@ -73,6 +73,9 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     With `request_id`, the load is asynchronous: `fetch_keys` first come up from the lower tiers into
     `slots[fetch_from:]`, then every slot is copied, and the request is reported in finished_recving.
     `invalid_block_ids` found no room to come up into: reported as load errors, so vLLM recomputes them.
+    With `fail_request` (a model of several KV-cache groups, whose block-level load errors vLLM does not
+    take: it raises), a load that fails or has invalid blocks fails its request instead
+    (`failed_recving`): vLLM recomputes it or fails it, by its `kv_load_failure_policy`.
     """
 
     block_ids: list[int]
@@ -83,6 +86,7 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     invalid_block_ids: list[int] = []
     keys: list[bytes] = []  # with KVCONNECT_DUMP_DIR (tests): the key of each of `block_ids`
     tokens: int = 0  # prompt tokens vLLM skips computing when the load succeeds (its recompute-time credit)
+    fail_request: bool = False
 
 
 class OffloadStore(msgspec.Struct, **_Struct):

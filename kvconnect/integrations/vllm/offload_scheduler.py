@@ -174,11 +174,14 @@ class OffloadScheduler:
         hits = hit_blocks([h | b for h, b in zip(host, below)], self.rules, start) if n else 0
         up = {ks[start + i] for ks, b in zip(grouped, below) for i in np.flatnonzero(b[:hits])}
         self._below[rid] = up
-        return hits * self.block_size, bool(up)
+        # Always asynchronous: vLLM takes a failed load on a model of several groups only as a failed
+        # request (failed_recving), never as block errors, and only a request waiting for its load can fail.
+        return hits * self.block_size, hits > 0
 
     def _group_alloc(self, rid: str, grouped: list[list[bytes]], all_ids: Sequence[Sequence[int]], start: int,
                      nblk: int) -> None:
-        """Several groups: load the hit's group blocks from the host pool, bringing up those below it first."""
+        """Several groups: load the hit's group blocks from the host pool, bringing up those below it first;
+        a block that cannot be loaded fails the request (asynchronous, reported when its pages came up)."""
         below = self._below.pop(rid, set())
         want, ids, missing, per_group = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
                                                      lambda k: k in below or self.manager.contains(k))
@@ -187,14 +190,6 @@ class OffloadScheduler:
         self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
         on_host = np.fromiter((k not in below for k in want), dtype=bool, count=len(want))
         plan = self.manager.prepare_load([k for k, h in zip(want, on_host) if h])
-        if not below:  # nothing to bring up: vLLM was told the load is synchronous
-            self._meta.offload_loads.append(OffloadLoad(block_ids=ids.tolist(), slots=plan.slots.tolist(),
-                                                        invalid_block_ids=missing.tolist(),
-                                                        keys=list(plan.keys) if self._keyed else [],
-                                                        tokens=nblk * self.block_size))
-            self._pending_loads.append(plan)
-            return
-        # Promised as asynchronous: a load with the request's id, reported when its pages came up.
         up = self.manager.prepare_store([k for k, h in zip(want, on_host) if not h], leading=True)
         rising = ids[~on_host]
         self._tier["tier_hits"] += rising.size
@@ -206,7 +201,7 @@ class OffloadScheduler:
             block_ids=np.concatenate([ids[on_host], rising[:len(up)]]).tolist(),
             slots=plan.slots.tolist() + up.slots.tolist(), request_id=rid, fetch_keys=list(up.keys),
             fetch_from=len(plan), invalid_block_ids=np.concatenate([missing, rising[len(up):]]).tolist(),
-            tokens=nblk * self.block_size))
+            keys=list(plan.keys) if self._keyed else [], tokens=nblk * self.block_size, fail_request=True))
         self._promotions[rid] = (plan, up)
 
     def build_meta(self, scheduler_output: Any = None) -> KVConnectMeta:
@@ -230,12 +225,13 @@ class OffloadScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, KVConnectWorkerMeta):
             meta = KVConnectWorkerMeta()
+        failed_requests = getattr(output, "failed_recving", None) or set()
         for rid in output.finished_recving or ():
             if rid in self._promotions:
                 plan, up = self._promotions.pop(rid)
                 ok = rid not in meta.failed_fetches
                 self.manager.complete_store(up, ok, promoted=True)
-                self.manager.complete_load(plan, True)
+                self.manager.complete_load(plan, rid not in failed_requests)
                 self._tier["promoted" if ok else "promote_failed"] += len(up)
         for rid in output.finished_sending or ():
             plan = self._stores.pop(rid, None)

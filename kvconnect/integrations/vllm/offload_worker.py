@@ -67,6 +67,8 @@ class OffloadWorker:
         self._fetcher: JobRunner | None = None
         self._lock = threading.Lock()  # the sets below are also written by the tier threads
         self._recved: set[str] = set()
+        self._failed_recv: set[str] = set()  # of those, loads that failed their request (several groups)
+        self._failed_out: set[str] = set()  # failed loads that finished_recving handed out, for failed_recving
         self._failed_fetches: set[str] = set()
         self._written: set[tuple[str, int]] = set()
         self._fetched = 0
@@ -170,7 +172,8 @@ class OffloadWorker:
                 self._dump.write(kind, key.hex(), [[block]])
 
     def _fetch(self, load: OffloadLoad) -> None:
-        """An asynchronous load: pages up from the lower tiers, then every slot into its block."""
+        """An asynchronous load: pages up from the lower tiers, then every slot into its block (on this thread
+        when nothing comes up from below)."""
         slots = np.asarray(load.slots, dtype=np.int64)
         ids = np.asarray(load.block_ids, dtype=np.int64)
         after = self._mover.engine_event()
@@ -180,10 +183,13 @@ class OffloadWorker:
         usable = [0]
 
         def work() -> None:
-            got = self._chain.fetch(shard_keys(load.fetch_keys, self.shard), slots[load.fetch_from:])
+            got = np.zeros(0, dtype=bool)
+            if load.fetch_keys:
+                got = self._chain.fetch(shard_keys(load.fetch_keys, self.shard), slots[load.fetch_from:])
             ready = load.fetch_from + leading(got)
             if ready:
                 self._mover.load(slots[:ready], ids[:ready], after, self.timeout_s)
+                self._dump_pages("loaded", load.keys, load.block_ids[:load.fetch_from])
                 self._dump_pages("loaded", load.fetch_keys, load.block_ids[load.fetch_from:ready])
             usable[0] = ready
             if not got.all():
@@ -194,14 +200,26 @@ class OffloadWorker:
                 if err is not None:
                     log.warning("kvconnect offload: load of %s: %s", load.request_id, err)
                     self._failed_fetches.add(load.request_id)
-                    self._invalid.update(load.block_ids[usable[0]:])
-                self._invalid.update(load.invalid_block_ids)
+                if load.fail_request:
+                    if err is not None or load.invalid_block_ids:
+                        self._failed_recv.add(load.request_id)
+                else:
+                    self._invalid.update(load.block_ids[usable[0]:] if err is not None else [])
+                    self._invalid.update(load.invalid_block_ids)
                 self._recved.add(load.request_id)
                 self._fetched += usable[0]
                 whole = err is None and not load.invalid_block_ids
                 self._timed.append((load.tokens if whole else 0, self._clock() - began))
 
-        self._fetcher.submit(OffloadJob("load", tuple(load.fetch_keys), ids, 0, work, finish))
+        if load.fetch_keys:
+            self._fetcher.submit(OffloadJob("load", tuple(load.fetch_keys), ids, 0, work, finish))
+            return
+        try:
+            work()
+        except Exception as exc:  # reported like a failed fetch: the request is recomputed or failed
+            finish(exc)
+        else:
+            finish(None)
 
     def finished_sending(self) -> set[str]:
         """Requests whose store ran since the last call (vLLM may free their blocks)."""
@@ -212,6 +230,9 @@ class OffloadWorker:
         """Asynchronous loads that ended since the last call (their failed blocks are in invalid_blocks)."""
         with self._lock:
             done, self._recved = self._recved, set()
+            # Taken with `done`, so a failure is never reported in a step before or after its end.
+            self._failed_out |= self._failed_recv & done
+            self._failed_recv -= done
             fetched, self._fetched = self._fetched, 0
             timed, self._timed = self._timed, []
         self._stats.add(blocks_loaded=fetched)  # StepStats is the engine thread's alone
@@ -230,6 +251,11 @@ class OffloadWorker:
                 out.disk_stored, out.disk_gone = tier.drain_changes()
         empty = not (out.failed_stores or out.failed_fetches or out.written_down or out.disk_stored or out.disk_gone)
         return None if empty else out
+
+    def failed_recving(self) -> set[str]:
+        """Of the loads the last finished_recving returned, those that failed their request (several groups)."""
+        failed, self._failed_out = self._failed_out, set()
+        return failed
 
     def invalid_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call."""
