@@ -47,10 +47,10 @@ def _wait_for_line(path, pattern: str, timeout: float) -> str:
     raise AssertionError(f"no line matching {pattern!r} in {path} within {timeout} s")
 
 
-def _killed_before_read(pair, ids: list[int], kill) -> float:
+def _killed_before_read(pair, ids: list[int], kill) -> None:
     """Send a request to `pair`'s decode and prefill, call `kill` once the decode holds the params and
     waits to read, and check that the request then ends with kvconnect's typed failure and the decode
-    stays healthy; returns the seconds from the kill to the request's end."""
+    stays healthy (the seconds from the kill to the request's end are printed)."""
     # The router's two requests, sent here so that the decode's outlives the prefill (the router would
     # drop it together with the prefill's connection, before kvconnect is asked to read anything).
     room = random.randrange(2**63)
@@ -71,7 +71,6 @@ def _killed_before_read(pair, ids: list[int], kill) -> float:
     reason = _wait_for_line(pair.decode.log, rf"room {room} failed: kvconnect: [^\n]*", 60)
     print(f"ended {ended:.1f} s after the kill\nrequest: {out['error'][:200]}\ndecode: {reason[:300]}")
     assert http(f"{pair.decode_url}/health", timeout=30)[0] == 200
-    return ended
 
 
 def test_prefill_killed_before_decode_reads_aborts_the_request_with_a_typed_failure(slow_reader):
@@ -105,7 +104,7 @@ def slow_reader_tp21(model, logdir, reference):
 
 def test_one_prefill_rank_killed_after_the_decode_gathered_fails_the_request_with_a_typed_failure(slow_reader_tp21):
     # A TP-1 decode reads each request from both ranks of a TP-2 prefill: with one of them gone, the
-    # load must fail as a whole (half the heads are not a page), in time, and the decode keeps serving.
+    # load must fail as a whole (half the heads are not a page), and the decode keeps serving.
     pair = slow_reader_tp21
     _killed_before_read(pair, prompts_of([300], seed=4)[0],
                         lambda: os.kill(_rank_pid(pair.prefill, "sglang::scheduler_TP1"), signal.SIGKILL))

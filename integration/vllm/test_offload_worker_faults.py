@@ -46,11 +46,12 @@ def _worker(chain: _Chain) -> OffloadWorker:
     return worker
 
 
-def _ended(worker: OffloadWorker, rid: str) -> set[int]:
+def _ended(worker: OffloadWorker, rid: str) -> tuple[set[str], set[int]]:
+    """(failed_recving, invalid blocks) of the step whose finished_recving first names `rid`."""
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         if rid in worker.finished_recving():
-            return worker.invalid_blocks()
+            return worker.failed_recving(), worker.invalid_blocks()
         time.sleep(0.01)
     raise AssertionError(f"load {rid} never reported")
 
@@ -65,7 +66,7 @@ def test_a_failed_fetch_reports_every_block_it_did_not_fill_as_invalid(where, mo
     load = OffloadLoad(block_ids=[5, 6, 7], slots=[0, 1, 2], request_id="r", fetch_keys=[b"a", b"b"], fetch_from=1)
     worker.start(KVConnectMeta(offload_loads=[load]))
     try:
-        assert _ended(worker, "r") == {5, 6, 7}
+        assert _ended(worker, "r") == (set(), {5, 6, 7})
     finally:
         worker.shutdown()
 
@@ -75,22 +76,12 @@ def test_a_fetch_that_filled_every_block_reports_none_invalid() -> None:
     load = OffloadLoad(block_ids=[5, 6], slots=[0, 1], request_id="ok", fetch_keys=[b"a"], fetch_from=1)
     worker.start(KVConnectMeta(offload_loads=[load]))
     try:
-        assert _ended(worker, "ok") == set()
+        assert _ended(worker, "ok") == (set(), set())
     finally:
         worker.shutdown()
 
 
 # ---- several KV-cache groups: vLLM takes no block errors there, so a failed load fails its request ----
-
-def _failed_requests(worker: OffloadWorker, rid: str) -> tuple[set[str], set[int]]:
-    """(failed_recving, invalid blocks) of the step whose finished_recving first names `rid`."""
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        if rid in worker.finished_recving():
-            return worker.failed_recving(), worker.invalid_blocks()
-        time.sleep(0.01)
-    raise AssertionError(f"load {rid} never reported")
-
 
 @pytest.mark.parametrize("where", ["tier raises", "copy fails", "no page for a block", "host pool copy fails"])
 def test_a_several_group_load_that_cannot_fill_every_block_fails_its_request_and_names_no_block(
@@ -107,7 +98,7 @@ def test_a_several_group_load_that_cannot_fill_every_block_fails_its_request_and
                            invalid_block_ids=[9] if where == "no page for a block" else [], fail_request=True)
     worker.start(KVConnectMeta(offload_loads=[load]))
     try:
-        assert _failed_requests(worker, "r") == ({"r"}, set())
+        assert _ended(worker, "r") == ({"r"}, set())
     finally:
         worker.shutdown()
 
@@ -119,7 +110,7 @@ def test_a_several_group_load_from_the_host_pool_alone_lands_its_bytes_and_fails
     load = OffloadLoad(block_ids=[5], slots=[0], request_id="h", fetch_from=1, fail_request=True)
     worker.start(KVConnectMeta(offload_loads=[load]))
     try:
-        assert _failed_requests(worker, "h") == (set(), set())
+        assert _ended(worker, "h") == (set(), set())
         for k, rows in enumerate(worker._mover.rows):
             assert bool((rows[5] == 7 + k).all()) and not bool(rows[4].any())
     finally:

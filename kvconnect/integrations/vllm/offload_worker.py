@@ -197,18 +197,19 @@ class OffloadWorker:
 
         def finish(err: BaseException | None) -> None:
             with self._lock:
+                whole = err is None and not load.invalid_block_ids
                 if err is not None:
                     log.warning("kvconnect offload: load of %s: %s", load.request_id, err)
                     self._failed_fetches.add(load.request_id)
                 if load.fail_request:
-                    if err is not None or load.invalid_block_ids:
+                    if not whole:
                         self._failed_recv.add(load.request_id)
                 else:
-                    self._invalid.update(load.block_ids[usable[0]:] if err is not None else [])
+                    if err is not None:
+                        self._invalid.update(load.block_ids[usable[0]:])
                     self._invalid.update(load.invalid_block_ids)
                 self._recved.add(load.request_id)
                 self._fetched += usable[0]
-                whole = err is None and not load.invalid_block_ids
                 self._timed.append((load.tokens if whole else 0, self._clock() - began))
 
         if load.fetch_keys:
