@@ -53,6 +53,20 @@ def test_the_load_deadline_bounds_the_handshake_with_a_killed_producer(producers
     assert res.invalid_block_ids == {0, 1}
 
 
+def test_a_routers_shorter_deadline_bounds_a_load_from_a_killed_producer(producers, consumers) -> None:
+    """load_timeout_s and handshake_timeout_s are long; the load's own 2 s (as a router sets it) bounds it."""
+    producer = producers("dense", 16, PRODUCER_SEED)
+    conn, _ = consumers("dense", 16, load_timeout_s=60.0, handshake_timeout_s=30.0)
+    timeout = wire.load_timeout_from_builtins(2.0, conn.config.load_timeout_s)
+    params = producer.hold("doomed", [np.array([1, 2])], tokens=32)
+    producer.kill()
+    t0 = time.monotonic()
+    conn.start_load(params, [[0, 1]], timeout_s=timeout)
+    res = wait_for(conn, ["doomed"], timeout=timeout + MARGIN_S + 3.0)
+    assert res.failed["doomed"].stage == "handshake" and res.invalid_block_ids == {0, 1}
+    assert time.monotonic() - t0 < timeout + MARGIN_S, "the load waited past its own deadline"
+
+
 def test_a_stalled_producer_never_delays_another_producers_loads(producers, consumers) -> None:
     stuck, healthy = producers("dense", 16, PRODUCER_SEED, engine_id="stuck"), producers("dense", 64, PRODUCER_SEED)
     conn, caches = consumers("dense", 64, handshake_timeout_s=20.0, load_timeout_s=30.0)

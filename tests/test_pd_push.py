@@ -19,6 +19,8 @@ from kvconnect.sidechannel import call
 
 pytestmark = pytest.mark.timeout(180)
 
+QUIESCE_S = 2.0  # how long past a claim a hold outlives it (the producer's default)
+
 
 def pushes(prefill, handles, timeout: float = 30.0) -> dict[str, str]:
     """Wait until the prefill reported every push in `handles` ended; handle -> "" (landed) or why it failed."""
@@ -164,6 +166,30 @@ def test_the_prefill_killed_mid_write_fails_the_decode_within_its_deadline(produ
     prefill.kill()
     fin = wait_for(decode, ["r"], timeout=30)
     assert fin.loaded == ["r"] or fin.failed["r"]
+    assert decode.held_blocks == 0
+
+
+def test_a_routers_shorter_deadline_fails_a_push_whose_prefill_died_mid_write_at_that_deadline(
+        producers, consumers) -> None:
+    """The decode's load_timeout_s is 60 s; the request's own 3 s (as a router sets it) bounds its hold:
+    never freed before it, failed at it plus the quiesce time, with the prefill dead after its first layer."""
+    prefill = producers("dense", 16, seed=1, push=True)
+    decode, caches = consumers("dense", 16, push=True)
+    assert decode.config.load_timeout_s == 60.0
+    timeout = wire.load_timeout_from_builtins(3.0, decode.config.load_timeout_s)
+    local, remote = [[1, 2]], [[3, 4]]
+    t0 = time.monotonic()
+    decode.expect_push("dies", (prefill.host, prefill.port), local, 32, handle="r", timeout_s=timeout)
+    prefill.call("push_layerwise", "dies", remote)
+    prefill.call("layers", ["layers.0.attn"])
+    while not _rows_equal(caches, decode, prefill, local[0], remote[0], 0):  # claimed: a WRITE is running
+        assert time.monotonic() - t0 < timeout, "the first layer was not written within the deadline"
+        time.sleep(0.01)
+    prefill.kill()
+    fin = wait_for(decode, ["r"], timeout=30)
+    elapsed = time.monotonic() - t0
+    assert "within the deadline" in fin.failed["r"].reason and fin.invalid_block_ids == {1, 2}
+    assert timeout <= elapsed < timeout + QUIESCE_S + 10, elapsed  # a liveness bound, far below the 60 s
     assert decode.held_blocks == 0
 
 

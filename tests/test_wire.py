@@ -279,6 +279,20 @@ def test_transfer_params_values_are_validated(overrides: dict, match: str) -> No
         wire.transfer_params_from_builtins(fields)
 
 
+@pytest.mark.parametrize(("value", "limit", "want"), [(20, 60.0, 20.0), (0.25, 60.0, 0.25), (60.0, 60.0, 60.0),
+                                                      (600, 60.0, 60.0), (1e300, 60.0, 60.0), (10**400, 60.0, 60.0)])
+def test_a_routers_load_deadline_shortens_the_configured_one_and_a_longer_one_is_capped(value, limit, want) -> None:
+    got = wire.load_timeout_from_builtins(value, limit)
+    assert got == want and type(got) is float
+
+
+@pytest.mark.parametrize("value", ["20", None, True, False, [20], {"s": 20}, math.nan, math.inf, -math.inf, 0, 0.0,
+                                   -1, -0.5])
+def test_a_routers_load_deadline_that_is_not_a_positive_finite_number_is_refused_by_name(value) -> None:
+    with pytest.raises(WireError, match=f"{wire.LOAD_TIMEOUT_KEY} must be a positive, finite number of seconds"):
+        wire.load_timeout_from_builtins(value, 60.0)
+
+
 def test_notification_with_unknown_or_missing_kind_is_rejected() -> None:
     fields = as_dict(Done(engine_id="e", rank=0, request_ids=("r",)))
     with pytest.raises(WireError):

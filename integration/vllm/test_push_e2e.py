@@ -27,6 +27,9 @@ MAX_TOKENS = 8
 LOGPROBS = 10
 DEADLINE_S = 60.0  # decode's load_timeout_s: how long it holds offered blocks for a WRITE
 QUIESCE_S = 2.0  # how long past a claim a hold outlives it (the producer's default)
+# A request's own deadline, as a router sets it (kvconnect_load_timeout_s): well under DEADLINE_S, so a
+# failure before DEADLINE_S proves it was used, with room for a loaded host's prefill to reach its WRITE.
+REQUEST_DEADLINE_S = 25.0
 
 
 @dataclass
@@ -166,7 +169,8 @@ def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_en
 
 def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama, tmp_path):
     """A prefill killed mid-WRITE (layer-wise: after its first layer), then one dead before the offer: decode
-    reports each an error within its load deadline, frees the blocks and serves on."""
+    reports each an error within its load deadline (the first: the request's own, shorter one), frees the
+    blocks and serves on."""
     name, P, D = push.name, push.P, push.D
     connector, layerwise = name.split()[0], "layer-wise" in name
     pause = Pause(tmp_path / "pause")
@@ -179,8 +183,8 @@ def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_lla
         prompt = prompts_of([1500], seed=56)[0]
         pause.arm()
         t0 = time.monotonic()
-        dec = _Call(lambda: D.generate([prompt], max_tokens=MAX_TOKENS, timeout=240,
-                                       params=[decode_params(at, key)]))
+        own = {**decode_params(at, key), "kvconnect_load_timeout_s": REQUEST_DEADLINE_S}
+        dec = _Call(lambda: D.generate([prompt], max_tokens=MAX_TOKENS, timeout=240, params=[own]))
         time.sleep(0.5)
         _Call(lambda: victim.generate([prompt], max_tokens=1, params=[{"do_remote_decode": True, "push_key": key}]))
         stop = pause.wait(120)
@@ -188,7 +192,10 @@ def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_lla
         victim.kill()
         out = dec.get(240)["outputs"][0]
         assert out["finish_reason"] == "error", out
-        assert time.monotonic() - t0 < DEADLINE_S + QUIESCE_S + 15
+        # Held until the request's own deadline (a WRITE could still land), failed soon after, long
+        # before the instance's DEADLINE_S.
+        elapsed = time.monotonic() - t0
+        assert REQUEST_DEADLINE_S <= elapsed < REQUEST_DEADLINE_S + QUIESCE_S + 15 < DEADLINE_S, elapsed
         # Dead before the offer: the offer fails, and with it the request, before the deadline.
         t0 = time.monotonic()
         out = D.generate(prompts_of([300], seed=56), max_tokens=MAX_TOKENS, timeout=180,

@@ -149,12 +149,64 @@ def test_a_decode_aborted_in_the_queue_releases_the_producer(monkeypatch) -> Non
     assert release.params.request_id == "p9" and s.stats()["kept_alive"] == 0
 
 
+def test_a_decode_requests_load_deadline_is_read_at_the_edge_and_capped_at_load_timeout_s() -> None:
+    d = {"do_remote_prefill": True}
+    assert vparams.load_timeout(d, 60.0) is None and vparams.load_timeout(None, 60.0) is None
+    assert vparams.load_timeout({**d, "kvconnect_load_timeout_s": 20}, 60.0) == 20.0
+    assert vparams.load_timeout({**d, "kvconnect_load_timeout_s": 600}, 60.0) == 60.0  # capped, not refused
+    for bad in ("20", True, None, float("nan"), float("inf"), 0, -5):
+        with pytest.raises(wire.WireError, match="kvconnect_load_timeout_s must be a positive, finite number"):
+            vparams.load_timeout({**d, "kvconnect_load_timeout_s": bad}, 60.0)
+
+
+@pytest.mark.parametrize("kind", [PullScheduler, PushScheduler])
+@pytest.mark.parametrize(("given", "want"), [(None, None), (20, 20.0), (600.0, 60.0)],
+                         ids=["none", "shorter", "longer"])
+def test_a_routers_load_deadline_reaches_the_load_order_capped(kind, given, want, monkeypatch) -> None:
+    s = _scheduler(kind, monkeypatch)
+    extra = {} if given is None else {"kvconnect_load_timeout_s": given}
+    req = _request("d1", {**_pull_params(), **extra})
+    s.on_new_request(req)
+    s.update_state_after_alloc(req, _blocks([4, 5, 6]), 40)
+    (load,) = s.build_meta({}).loads
+    assert load.timeout_s == want and s.config.load_timeout_s == 60.0
+    s.update_connector_output(SimpleNamespace(finished_recving={"d1"}, finished_sending=None, kv_connector_stats=None))
+    assert s._timeouts == {}  # forgotten with the load
+
+
+def test_a_malformed_load_deadline_refuses_the_pull_and_frees_the_producer_at_once(monkeypatch) -> None:
+    s = _scheduler(PullScheduler, monkeypatch)
+    req = _request("d2", {**_pull_params("p2"), "kvconnect_load_timeout_s": "soon"})
+    s.on_new_request(req)
+    assert s.stats()["kept_alive"] == 0
+    s.update_state_after_alloc(req, _blocks([4, 5, 6]), 40)
+    meta = s.build_meta({})
+    assert not meta.loads and [r.request_id for r in meta.refused] == ["d2"]
+    assert "kvconnect_load_timeout_s" in meta.refused[0].reason
+    assert [r.params.request_id for r in meta.releases] == ["p2"]
+
+
+def test_a_push_offer_carries_the_routers_load_deadline_and_a_malformed_one_computes_the_request(
+        monkeypatch, caplog) -> None:
+    s = _scheduler(PushScheduler, monkeypatch)
+    push = {"do_remote_prefill": True, "push_key": "k", "remote_host": "h", "remote_port": 9}
+    for rid, extra in (("a", {}), ("b", {"kvconnect_load_timeout_s": 25}), ("c", {"kvconnect_load_timeout_s": 1e9})):
+        req = _request(rid, {**push, "push_key": rid, **extra})
+        s.on_new_request(req)
+        s.update_state_after_alloc(req, _blocks([4, 5, 6]), 40)
+    assert [(o.request_id, o.timeout_s) for o in s.build_meta({}).offers] == [("a", None), ("b", 25.0), ("c", 60.0)]
+    bad = _request("d", {**push, "kvconnect_load_timeout_s": float("nan")})
+    s.on_new_request(bad)
+    assert s.get_num_new_matched_tokens(bad, 0) == (0, False)
+    assert "stage=params" in caplog.text and "kvconnect_load_timeout_s" in caplog.text
+
+
 def test_the_old_meta_names_say_their_new_ones() -> None:
     from kvconnect.integrations.vllm import meta
 
     with pytest.raises(AttributeError, match="LoadOrder"):
         meta.Load  # noqa: B018
-    assert LoadOrder.__struct_fields__ == ("request_id", "block_ids", "params")
+    assert LoadOrder.__struct_fields__ == ("request_id", "block_ids", "params", "timeout_s")
 
 
 class _Core:
@@ -164,6 +216,7 @@ class _Core:
         from kvconnect.connector import Finished
 
         self.calls, self.fail, self.finished = [], set(fail), Finished()
+        self.timeouts = {}  # handle -> the timeout_s a load or offer was started with
         self.push_role = self
 
     def _call(self, name, *args):
@@ -173,7 +226,8 @@ class _Core:
 
             raise BlockRangeError(f"{name} refused")
 
-    def start_load(self, params, ids, handle, decoded=False):
+    def start_load(self, params, ids, handle, timeout_s=None, decoded=False):
+        self.timeouts[handle] = timeout_s
         self._call("start_load", params, handle)
 
     def release_remote(self, params, decoded=False):
@@ -182,7 +236,8 @@ class _Core:
     def hold_blocks(self, rid, ids, ntok):
         self._call("hold", rid)
 
-    def expect(self, key, addr, ids, ntok, handle):
+    def expect(self, key, addr, ids, ntok, handle, timeout_s=None):
+        self.timeouts[handle] = timeout_s
         self._call("expect", key, handle)
 
     def push(self, key, ids, handle, layerwise=False, fence=None):
@@ -215,6 +270,20 @@ def test_a_refused_load_and_a_load_the_core_refuses_are_reported_failed() -> Non
     assert ("release_remote", "p1") in core.calls
     out = w.results()
     assert out.finished_recving == {"a", "b"} and out.failed_recving == {"a", "b"}
+
+
+def test_the_workers_start_loads_and_offers_with_the_deadline_the_scheduler_ordered() -> None:
+    from kvconnect.integrations.vllm.meta import KVConnectMeta, OfferOrder
+    from kvconnect.integrations.vllm.push_worker import PushWorker
+
+    core = _Core()
+    w = _worker(PushWorker, core)
+    params = vparams.from_vllm(_pull_params("p1"))
+    w.start(KVConnectMeta(loads=[LoadOrder(request_id="a", block_ids=[[1]], params=params, timeout_s=5.0),
+                                 LoadOrder(request_id="b", block_ids=[[2]], params=params)],
+                          offers=[OfferOrder(request_id="c", block_ids=[[3]], num_tokens=16, key="k", host="h", port=9,
+                                             timeout_s=7.0)]))
+    assert core.timeouts == {"a": 5.0, "b": None, "c": 7.0}  # None: the core's load_timeout_s
 
 
 def test_the_mode_picks_the_roles_once() -> None:

@@ -27,18 +27,19 @@ from kvconnect.wire.metadata import (
     Compat, EngineMetadata, GroupCompat, GroupSplitMeta, RegionMeta, SegmentMeta, process_incarnation,
 )
 from kvconnect.wire.params import (
-    RankAddr, TransferParams, transfer_params_from_builtins, transfer_params_to_builtins,
+    LOAD_TIMEOUT_KEY, RankAddr, TransferParams, load_timeout_from_builtins, transfer_params_from_builtins,
+    transfer_params_to_builtins,
 )
 
 __all__ = [
-    "MAX_BLOCKS_PER_GROUP", "MAX_IDS_PER_MESSAGE", "MAX_KV_GROUPS", "MAX_METADATA_BYTES", "MAX_NAMES_PER_REGION",
-    "MAX_REGIONS", "MAX_REPLY_BODY_BYTES", "MAX_REPLY_BYTES", "MAX_REQUEST_BODY_BYTES", "MAX_REQUEST_BYTES",
-    "MAX_SEGMENTS", "MAX_TP", "MAX_TRANSFER_PARAMS_BYTES", "MAX_TRANSPORT_METADATA_BYTES", "METADATA",
-    "PROTOCOL_VERSION", "REPLY", "REPLY_ENVELOPE", "REPLY_TYPE", "REQUEST", "REQUEST_ENVELOPE", "TRANSFER_PARAMS",
-    "Abort", "Ack", "Buffer", "Claim", "ClaimReply", "Codec", "Compat", "ControlMessage", "Done", "EngineMetadata",
-    "GroupCompat", "GroupSplitMeta", "HandshakeRejection", "HandshakeReply", "HandshakeRequest", "Heartbeat", "KiB",
-    "MemoryKindName", "MiB", "Offer", "RankAddr", "RegionMeta", "RejectionReason", "ReplyBody", "ReplyEnvelope",
-    "RequestBody", "RequestEnvelope", "SegmentMeta", "TransferParams", "WireError", "checked_params",
-    "metadata_reply", "probe_protocol_version", "process_incarnation", "transfer_params_from_builtins",
-    "transfer_params_to_builtins",
+    "LOAD_TIMEOUT_KEY", "MAX_BLOCKS_PER_GROUP", "MAX_IDS_PER_MESSAGE", "MAX_KV_GROUPS", "MAX_METADATA_BYTES",
+    "MAX_NAMES_PER_REGION", "MAX_REGIONS", "MAX_REPLY_BODY_BYTES", "MAX_REPLY_BYTES", "MAX_REQUEST_BODY_BYTES",
+    "MAX_REQUEST_BYTES", "MAX_SEGMENTS", "MAX_TP", "MAX_TRANSFER_PARAMS_BYTES", "MAX_TRANSPORT_METADATA_BYTES",
+    "METADATA", "PROTOCOL_VERSION", "REPLY", "REPLY_ENVELOPE", "REPLY_TYPE", "REQUEST", "REQUEST_ENVELOPE",
+    "TRANSFER_PARAMS", "Abort", "Ack", "Buffer", "Claim", "ClaimReply", "Codec", "Compat", "ControlMessage", "Done",
+    "EngineMetadata", "GroupCompat", "GroupSplitMeta", "HandshakeRejection", "HandshakeReply", "HandshakeRequest",
+    "Heartbeat", "KiB", "MemoryKindName", "MiB", "Offer", "RankAddr", "RegionMeta", "RejectionReason", "ReplyBody",
+    "ReplyEnvelope", "RequestBody", "RequestEnvelope", "SegmentMeta", "TransferParams", "WireError", "checked_params",
+    "load_timeout_from_builtins", "metadata_reply", "probe_protocol_version", "process_incarnation",
+    "transfer_params_from_builtins", "transfer_params_to_builtins",
 ]

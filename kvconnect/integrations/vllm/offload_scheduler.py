@@ -18,6 +18,14 @@ slots stay pinned until every rank reported it done with them (written down, or 
 With several KV-cache groups (sliding-window and full-attention layers) each slot holds one group's
 block under a key of that group (`offload_groups`), in the host pool and below it alike: a hit needs
 the full-attention groups' blocks and the sliding-window groups' windows, from wherever they are.
+
+A group that keeps one state for the whole sequence (short conv, GDN, in vLLM's `align` mode) is
+stored from vLLM's offers (`offload_states`, each the block holding the state after a block
+boundary): the block is copied after the forward pass of the step that offered it, under the
+key of that token block, and published once every rank copied it; its running block is never stored
+(it is no boundary state). A hit needs the state at its last block, which vLLM loads into the one
+block it allocates there; such loads are always asynchronous, since vLLM copies that block into the
+running one before a step's forward pass, and a load that cannot be made fails its request.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ from kvconnect.integrations.vllm import dump
 from kvconnect.integrations.vllm.groups import GroupRule
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
 from kvconnect.integrations.vllm.stats import StatsFile
-from kvconnect.integrations.vllm.offload_groups import group_blocks, hit_blocks, stored_blocks
+from kvconnect.integrations.vllm.offload_groups import group_blocks, hit_blocks, state_block_ok, stored_blocks
+from kvconnect.integrations.vllm.offload_states import offered_states
 from kvconnect.integrations.vllm.tiers import lower_index
 from kvconnect.offload.keys import block_keys, group_keys
 from kvconnect.offload.manager import LoadPlan, OffloadManager, StorePlan
@@ -68,12 +77,19 @@ class OffloadScheduler:
         self.block_size = block_size
         # Several groups: vLLM's index of each group this tier keeps, and which of its blocks a hit needs.
         self.rules, self.group_ids = tuple(rules), tuple(group_ids)
-        self._stats_group = next((g for g, r in enumerate(self.rules) if not r.window_tokens), 0)
+        self._state = tuple(r.whole_sequence_state for r in self.rules)  # per group: a whole-sequence state
+        self._grouped = len(self.group_ids) > 1 or any(self._state)  # keys, hits and blocks per group
+        self._stats_group = next((g for g, r in enumerate(self.rules)
+                                  if not r.window_tokens and not r.whole_sequence_state), 0)
         self._group_hits = np.zeros(len(self.group_ids), dtype=np.int64)  # group blocks promised to vLLM
         self._group_tier_hits = np.zeros(len(self.group_ids), dtype=np.int64)  # of those, brought up from below
         self.salt = config.salt.encode()
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
         self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}  # request -> (tokens, keys per group)
+        self._requests: dict[str, Request] = {}  # state groups: the live requests whose offers are keyed
+        self._stored_by: dict[str, set[int]] = {}  # boundary-state store job -> ranks that copied it
+        self._state_failed: set[str] = set()  # boundary-state store jobs a rank failed
+        self._state_counts = {"state_stores": 0, "state_hits": 0, "state_refused": 0}
         self._computed: dict[str, int] = {}
         self._meta = KVConnectMeta()
         self._pending_loads: list[LoadPlan] = []
@@ -105,6 +121,11 @@ class OffloadScheduler:
             self._keys[request.request_id] = got
         return got[1]
 
+    def track(self, request: Request) -> None:
+        """A new request: with state groups, kept until it finishes, to key the states vLLM offers."""
+        if any(self._state):
+            self._requests[request.request_id] = request
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Leading prompt blocks the tier holds beyond what vLLM computed (the last prompt token never)."""
         n_prompt = len(request.prompt_token_ids or ())
@@ -114,7 +135,7 @@ class OffloadScheduler:
         keys = grouped[0]
         limit = min(len(keys), (n_prompt - 1) // self.block_size)
         start = num_computed_tokens // self.block_size
-        if len(grouped) > 1:
+        if self._grouped:
             self._computed[request.request_id] = num_computed_tokens
             return self._group_match(request.request_id, grouped, start, limit)
         hits = 0
@@ -139,7 +160,7 @@ class OffloadScheduler:
         grouped = self._keys_of(request)
         start = self._computed.get(request.request_id, 0) // self.block_size
         nblk = num_external_tokens // self.block_size
-        if len(grouped) > 1:
+        if self._grouped:
             self._group_alloc(request.request_id, grouped, blocks.get_block_ids(), start, nblk)
             return
         keys = grouped[0]
@@ -172,7 +193,10 @@ class OffloadScheduler:
                 absent = np.fromiter((self.manager.absent(k) for k in ks[start:limit]), dtype=bool, count=n)
                 below[g] = absent & self.lower.contains(ks[start:limit])
         hits = hit_blocks([h | b for h, b in zip(host, below)], self.rules, start) if n else 0
-        up = {ks[start + i] for ks, b in zip(grouped, below) for i in np.flatnonzero(b[:hits])}
+        up: set[bytes] = set()
+        for ks, b, state in zip(grouped, below, self._state):
+            # A state group's hit needs the page of its last block alone.
+            up.update(ks[start + i] for i in np.flatnonzero(b[:hits]) if not state or i == hits - 1)
         self._below[rid] = up
         # Always asynchronous: vLLM takes a failed load on a model of several groups only as a failed
         # request (failed_recving), never as block errors, and only a request waiting for its load can fail.
@@ -183,9 +207,17 @@ class OffloadScheduler:
         """Several groups: load the hit's group blocks from the host pool, bringing up those below it first;
         a block that cannot be loaded fails the request (asynchronous, reported when its pages came up)."""
         below = self._below.pop(rid, set())
+        if not all(state_block_ok(all_ids[g], start, nblk) for g, s in zip(self.group_ids, self._state) if s):
+            # vLLM allocated the state group's blocks otherwise than for a hit's last boundary: nothing is
+            # loaded (a state in the wrong block would give plausible, wrong tokens), the request fails.
+            self._state_counts["state_refused"] += 1
+            self._meta.offload_loads.append(OffloadLoad(block_ids=[], slots=[], request_id=rid,
+                                                        tokens=nblk * self.block_size, fail_request=True, failed=True))
+            return
         want, ids, missing, per_group = group_blocks(grouped, [all_ids[g] for g in self.group_ids], start, nblk,
                                                      lambda k: k in below or self.manager.contains(k))
         self._group_hits += np.asarray(per_group, dtype=np.int64)
+        self._state_counts["state_hits"] += sum(n for n, s in zip(per_group, self._state) if s)
         _count_groups(metrics.offload_group_hits, self.group_ids, per_group)
         self.manager.lookup(grouped[self._stats_group])  # stats: a full-attention group's prompt blocks
         on_host = np.fromiter((k not in below for k in want), dtype=bool, count=len(want))
@@ -206,6 +238,8 @@ class OffloadScheduler:
 
     def build_meta(self, scheduler_output: Any = None) -> KVConnectMeta:
         """This step's loads and stores, and the engine's compute rate (vLLM's SchedulerOutput: its tokens)."""
+        if any(self._state) and scheduler_output is not None:
+            self._store_offers(scheduler_output)
         meta, self._meta = self._meta, KVConnectMeta()
         # A step with copies would count them as compute; without vLLM's output the step is not timed.
         self.rate.built(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
@@ -214,6 +248,46 @@ class OffloadScheduler:
         self._load_batches.append(self._pending_loads)
         self._pending_loads = []
         return meta
+
+    def _store_offers(self, scheduler_output: Any) -> None:
+        """Plan a store for each boundary state vLLM offered this step, copied after this step's forward pass."""
+        for offer in offered_states(scheduler_output, self.group_ids, self._state, self.block_size):
+            request = self._requests.get(offer.request_id)
+            key = self._state_key(request, offer.group, offer.boundary // self.block_size - 1) if request else None
+            plan = self.manager.prepare_store([key]) if key is not None else None
+            if not plan:
+                continue
+            job = f"{offer.request_id}\0s{offer.group}@{offer.boundary}"
+            self._meta.offload_stores.append(OffloadStore(request_id=job, block_ids=[offer.block],
+                                                          slots=plan.slots.tolist(), notify=False,
+                                                          keys=list(plan.keys) if self._keyed else []))
+            self._stores[job] = plan
+
+    def _state_key(self, request: Request, group: int, index: int) -> bytes | None:
+        """Group `group`'s key of token block `index` of a request (None while its tokens are not all known)."""
+        prompt = self._keys_of(request)
+        if index < len(prompt[group]):
+            return prompt[group][index]
+        tokens = request.all_token_ids
+        if len(tokens) < (index + 1) * self.block_size:  # a token still being sampled (asynchronous scheduling)
+            return None
+        last = block_keys(list(tokens[:(index + 1) * self.block_size]), self.block_size, salt=self.salt)[-1]
+        return group_keys([last], len(self.group_ids))[group][0]
+
+    def _finish_store(self, job: str, failed: bool) -> None:
+        """A store every rank ran: publish its keys (and pin them while they are written down), or drop them."""
+        plan = self._stores.pop(job, None)
+        if plan is None:
+            return
+        if failed and self.lower is not None and self.tp > 1:
+            # A store that failed on one rank only: the others may still be writing these slots
+            # down, so the slots are freed (nothing published) once every rank is done with them.
+            self._abandoned[job] = plan
+            return
+        down = self.lower is not None and not failed and len(plan) > 0
+        self.manager.complete_store(plan, not failed, pin=down)
+        if down:
+            self._writing[job] = plan.keys
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The oldest step's loads ran: unpin them; stores the worker finished are published."""
@@ -234,19 +308,19 @@ class OffloadScheduler:
                 self.manager.complete_load(plan, rid not in failed_requests)
                 self._tier["promoted" if ok else "promote_failed"] += len(up)
         for rid in output.finished_sending or ():
-            plan = self._stores.pop(rid, None)
-            if plan is None:
-                continue
-            failed = rid in meta.failed_stores
-            if failed and self.lower is not None and self.tp > 1:
-                # A store that failed on one rank only: the others may still be writing these slots
-                # down, so the slots are freed (nothing published) once every rank is done with them.
-                self._abandoned[rid] = plan
-                continue
-            down = self.lower is not None and not failed and len(plan) > 0
-            self.manager.complete_store(plan, not failed, pin=down)
-            if down:
-                self._writing[rid] = plan.keys
+            self._finish_store(rid, rid in meta.failed_stores)
+        for job, rank in meta.stored:
+            ranks = self._stored_by.setdefault(job, set())
+            ranks.add(rank)
+            if job in meta.failed_stores:
+                self._state_failed.add(job)
+            if len(ranks) < self.tp:
+                continue  # published only once every rank holds its shard of the state
+            del self._stored_by[job]
+            failed = job in self._state_failed
+            self._state_failed.discard(job)
+            self._state_counts["state_stores"] += not failed
+            self._finish_store(job, failed)
         # After the publishing above: a write-down can be reported in the step its store is.
         for rid, rank in meta.written_down:
             ranks = self._written_by.setdefault(rid, set())
@@ -274,6 +348,7 @@ class OffloadScheduler:
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """Store the full blocks of a finished request that the tier does not hold yet."""
         rid = request.request_id
+        self._requests.pop(rid, None)
         self._keys.pop(rid, None)
         self._computed.pop(rid, None)
         self._matched.pop(rid, None)
@@ -281,8 +356,9 @@ class OffloadScheduler:
         per_group = block_ids if block_ids and isinstance(block_ids[0], (list, tuple)) else (block_ids,)
         ntok = min(request.num_computed_tokens, len(request.all_token_ids))
         tokens = block_keys(list(request.all_token_ids[:ntok]), self.block_size, salt=self.salt)
-        if len(self.group_ids) > 1:
-            keys, ids = stored_blocks(group_keys(tokens, len(self.group_ids)), [per_group[g] for g in self.group_ids])
+        if self._grouped:
+            keys, ids = stored_blocks(group_keys(tokens, len(self.group_ids)), [per_group[g] for g in self.group_ids],
+                                      skip=self._state)
         else:
             ids = np.asarray(per_group[0], dtype=np.int64)
             keys = tokens[:len(ids)]
@@ -305,6 +381,8 @@ class OffloadScheduler:
         if self.lower is not None:
             out.update(self._tier, disk_pages=self.lower.disk_keys(), bytes_stored_per_block=self.manager.slot_bytes,
                        bytes_promoted=self._tier["promoted"] * self.manager.slot_bytes)
+        if any(self._state):  # boundary states published, loaded by hits, and hits vLLM allocated otherwise
+            out.update(self._state_counts)
         if len(self.group_ids) > 1:  # per KV-cache group (vLLM's order): blocks a hit took from the tiers
             out["group_hits"] = self._group_hits.tolist()
             if self.lower is not None:  # of those, the ones brought up from a lower tier (the rest: the host pool)

@@ -1,10 +1,11 @@
 """The worker-side half of KVConnectOffload: the host pool and the copies the scheduler planned.
 
 Loads run before the forward pass that reads their blocks; stores after the forward pass that
-wrote them. A failed load reports its blocks as invalid (vLLM recomputes them); a failed store only
-costs a future miss. With lower tiers, stored blocks are also written down in the background, and a
-load that needs blocks from below runs on a worker thread (the request waits, the engine steps on)
-and is reported in finished_recving when done.
+wrote them (a boundary state, too: vLLM frees its block two steps later at the earliest, so the
+copy, done before this step ends, always comes first). A failed load reports its blocks as invalid
+(vLLM recomputes them); a failed store only costs a future miss. With lower tiers, stored blocks are
+also written down in the background, and a load that needs blocks from below runs on a worker
+thread (the request waits, the engine steps on) and is reported in finished_recving when done.
 
 With tensor parallelism each rank's worker holds its own shard of every block in its own pool, at
 the slots the one scheduler chose, and writes it below under its shard's keys (`shard`), so no rank
@@ -71,6 +72,7 @@ class OffloadWorker:
         self._failed_out: set[str] = set()  # failed loads that finished_recving handed out, for failed_recving
         self._failed_fetches: set[str] = set()
         self._written: set[tuple[str, int]] = set()
+        self._stored: set[tuple[str, int]] = set()  # boundary-state store jobs that ran, with this rank
         self._fetched = 0
         self._clock = clock
         self._rate = 0.0  # seconds per token, as the scheduler last measured it
@@ -146,11 +148,15 @@ class OffloadWorker:
                 self._write_down(store)
             except Exception as exc:  # the blocks are only a cache: losing them costs a future miss
                 log.warning("kvconnect offload: store for %s failed: %s", store.request_id, exc)
-                self._failed_stores.add(store.request_id)
-                if self._chain is not None:  # this rank is done with the slots (other ranks may not be)
-                    with self._lock:
+                with self._lock:
+                    self._failed_stores.add(store.request_id)
+                    if self._chain is not None:  # this rank is done with the slots (other ranks may not be)
                         self._written.add((store.request_id, self.rank))
-            self._sent.add(store.request_id)
+            if store.notify:
+                self._sent.add(store.request_id)
+            else:  # a running request's boundary state: vLLM must not hear of it as finished sending
+                with self._lock:
+                    self._stored.add((store.request_id, self.rank))
 
     def _write_down(self, store: OffloadStore) -> None:
         """Queue a stored request's pages for the lower tiers; the scheduler unpins them when reported."""
@@ -183,6 +189,8 @@ class OffloadWorker:
         usable = [0]
 
         def work() -> None:
+            if load.failed:
+                raise TransferError("the tier holds no usable state for this hit")
             got = np.zeros(0, dtype=bool)
             if load.fetch_keys:
                 got = self._chain.fetch(shard_keys(load.fetch_keys, self.shard), slots[load.fetch_from:])
@@ -245,12 +253,13 @@ class OffloadWorker:
         """What the scheduler must know since the last call: failed stores and fetches, write-downs, disk changes."""
         with self._lock:
             out = KVConnectWorkerMeta(failed_stores=self._failed_stores, failed_fetches=self._failed_fetches,
-                                      written_down=self._written)
-            self._failed_stores, self._failed_fetches, self._written = set(), set(), set()
+                                      written_down=self._written, stored=self._stored)
+            self._failed_stores, self._failed_fetches, self._written, self._stored = set(), set(), set(), set()
         for tier in self._tiers:
             if isinstance(tier, DiskTier):
                 out.disk_stored, out.disk_gone = tier.drain_changes()
-        empty = not (out.failed_stores or out.failed_fetches or out.written_down or out.disk_stored or out.disk_gone)
+        empty = not (out.failed_stores or out.failed_fetches or out.written_down or out.disk_stored or out.disk_gone
+                     or out.stored)
         return None if empty else out
 
     def failed_recving(self) -> set[str]:

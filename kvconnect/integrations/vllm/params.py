@@ -10,6 +10,13 @@ Push mode (the router sends both halves at once): the prefill's params carry `do
 `remote_port` of the prefill's side channel (its rank 0) and `remote_tp_size` (its TP size, 1 if
 absent: rank r listens at port + r), which the router learns once per prefill instance from a request
 with `kvconnect_identify` (answered with the instance's params, no blocks held).
+
+Either mode: a decode request's params may carry `kvconnect_load_timeout_s` (seconds, a positive
+finite number), the router's deadline for that request's KV: how long the decode waits for the read
+(pull) or holds its offered blocks for the WRITE (push) before it fails the load. It only shortens:
+a value above the instance's `load_timeout_s` is capped at it, not refused. Anything else (a string,
+a bool, NaN or infinity, zero or less) is refused like other malformed params: a pull's load fails
+(stage params), a push-routed request is computed on the decode.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class PushSource(NamedTuple):
     host: str
     port: int
     tp_size: int = 1  # the prefill's TP size: its rank r listens at port + r
+    timeout_s: float | None = None  # the router's shorter load deadline (`load_timeout`; None: load_timeout_s)
 
 
 def push_source(d: dict[str, Any] | None) -> PushSource | None:
@@ -85,6 +93,13 @@ def push_key(d: dict[str, Any] | None) -> str | None:
     if not _is_key(d["push_key"]):
         raise wire.WireError(f"push_key must be a string of 1 to 128 characters, got {d['push_key']!r}")
     return d["push_key"]
+
+
+def load_timeout(d: dict[str, Any] | None, limit_s: float) -> float | None:
+    """A decode request's own load deadline, capped at `limit_s` (None without one); WireError if malformed."""
+    if not d or wire.LOAD_TIMEOUT_KEY not in d:
+        return None
+    return wire.load_timeout_from_builtins(d[wire.LOAD_TIMEOUT_KEY], limit_s)
 
 
 def wants_identity(d: dict[str, Any] | None) -> bool:

@@ -6,7 +6,9 @@ computed. Its kv_transfer_params are parsed once, when the scheduler first sees 
 producer's lease is heartbeated from that moment, so a long queue never loses it. After allocation
 the worker is told which local blocks to pull into (`LoadOrder`), or, with nothing to pull, to
 release the producer's blocks (`ReleaseOrder`). Params refused at parsing still make a load, one the
-worker reports failed (`RefusedLoad`, stage params), so vLLM's failure policy decides.
+worker reports failed (`RefusedLoad`, stage params), so vLLM's failure policy decides. A router's
+per-request deadline (`kvconnect_load_timeout_s`, capped at `load_timeout_s`) is read with them and
+travels in the `LoadOrder`.
 A pull instance refuses requests a router sent in push mode: they are computed here.
 """
 
@@ -20,7 +22,8 @@ from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.groups import Groups
 from kvconnect.integrations.vllm.meta import LoadOrder, RefusedLoad, ReleaseOrder
-from kvconnect.integrations.vllm.params import from_vllm, push_key, push_source, to_vllm, wants_remote_prefill
+from kvconnect.integrations.vllm.params import (from_vllm, load_timeout, push_key, push_source, to_vllm,
+                                                 wants_remote_prefill)
 from kvconnect.integrations.vllm.pd_scheduler import Held, PDSchedulerBase
 from kvconnect.pd.keeper import LeaseKeeper
 
@@ -41,6 +44,7 @@ class PullScheduler(PDSchedulerBase):
         super().__init__(config, engine_id=engine_id, groups=groups, blocks_of=blocks_of)
         # decode request -> its parsed params, or why they were refused
         self._pulls: dict[str, wire.TransferParams | KVConnectError] = {}
+        self._timeouts: dict[str, float] = {}  # decode request -> the router's shorter load deadline
         self._keeper = LeaseKeeper(engine_id=engine_id, secret=config.secret, heartbeat_s=config.heartbeat_s,
                                    timeout_s=config.handshake_timeout_s)
 
@@ -55,9 +59,17 @@ class PullScheduler(PDSchedulerBase):
         except KVConnectError as exc:
             self._pulls[rid] = exc  # the load is refused with the reason once the request is scheduled
             return
+        try:
+            timeout = load_timeout(request.kv_transfer_params, self.config.load_timeout_s)
+        except KVConnectError as exc:
+            self._pulls[rid] = exc
+            self._release(rid, params)  # no load will read them: the producer need not wait out its lease
+            return
         log.debug("kvconnect: %s reads %s", rid, params.request_id)
         self._keeper.track(params)
         self._pulls[rid] = params
+        if timeout is not None:
+            self._timeouts[rid] = timeout
 
     def _push_request(self, request: Request) -> bool:
         """Whether a decode request was routed in push mode (refused here: it is computed locally)."""
@@ -106,7 +118,8 @@ class PullScheduler(PDSchedulerBase):
         if num_external_tokens > 0:
             local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), self.remote_tokens(request))
             if isinstance(pull, wire.TransferParams):
-                self._meta.loads.append(LoadOrder(request_id=rid, block_ids=local, params=pull))
+                self._meta.loads.append(LoadOrder(request_id=rid, block_ids=local, params=pull,
+                                                  timeout_s=self._timeouts.get(rid)))
             else:
                 self._meta.refused.append(RefusedLoad(request_id=rid, reason=str(pull)))
         else:
@@ -140,6 +153,7 @@ class PullScheduler(PDSchedulerBase):
         self._stop_keeping(rid)
 
     def _stop_keeping(self, rid: str) -> None:
+        self._timeouts.pop(rid, None)
         pull = self._pulls.pop(rid, None)
         if isinstance(pull, wire.TransferParams):
             self._keeper.untrack(pull.request_id)

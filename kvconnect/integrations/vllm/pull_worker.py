@@ -33,7 +33,8 @@ class PullWorker(PDWorkerBase):
     def _load(self, load: LoadOrder) -> None:
         log.debug("kvconnect: load %s", load.request_id)
         try:
-            self.core.start_load(load.params, load.block_ids, handle=load.request_id, decoded=True)
+            self.core.start_load(load.params, load.block_ids, handle=load.request_id, timeout_s=load.timeout_s,
+                                 decoded=True)
         except KVConnectError as exc:  # ids out of range, sizes that cannot map: the request fails as the policy says
             self._refuse(load.request_id, LoadFailure.of(Stage.PARAMS, exc))
             self._release(load.params, load.request_id)  # the producer need not wait out its lease

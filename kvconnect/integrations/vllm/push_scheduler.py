@@ -2,7 +2,8 @@
 
 A router in push mode sends both halves of a request at once (`push_key` in both params). Decode:
 the request's push params are read once, when the scheduler first sees it; right after allocation
-the decode offers its blocks to the prefill (`OfferOrder`) and waits for the WRITE like for a load.
+the decode offers its blocks to the prefill (`OfferOrder`) and waits for the WRITE like for a load,
+holding them for `load_timeout_s` or the router's shorter `kvconnect_load_timeout_s`.
 Prefill: the prompt is held as in pull mode, then written into the offered blocks instead of being
 handed out as params; vLLM keeps the blocks until the worker says the WRITE ended.
 A push instance serves requests routed in pull mode too (the pull scheduler's part).
@@ -17,7 +18,7 @@ from kvconnect.errors import KVConnectError
 from kvconnect.integrations.vllm.config import PDConfig
 from kvconnect.integrations.vllm.groups import Groups
 from kvconnect.integrations.vllm.meta import OfferOrder
-from kvconnect.integrations.vllm.params import PushSource, push_key, push_source
+from kvconnect.integrations.vllm.params import PushSource, load_timeout, push_key, push_source
 from kvconnect.integrations.vllm.pd_scheduler import Held
 from kvconnect.integrations.vllm.pull_scheduler import PullScheduler
 
@@ -45,6 +46,9 @@ class PushScheduler(PullScheduler):
         rid = request.request_id
         try:
             source = push_source(request.kv_transfer_params)
+            if source is not None:
+                source = source._replace(timeout_s=load_timeout(request.kv_transfer_params,
+                                                                self.config.load_timeout_s))
         except KVConnectError as exc:
             log.warning("kvconnect load failed: request=%s peer=- stage=params reason=%s; computing it here", rid, exc)
             request.kv_transfer_params["do_remote_prefill"] = False
@@ -80,7 +84,8 @@ class PushScheduler(PullScheduler):
         ntok = self._push_tokens(request)
         local = self.groups.select(blocks.get_unhashed_block_ids_all_groups(), ntok)
         self._meta.offers.append(OfferOrder(request_id=rid, block_ids=local, num_tokens=ntok, key=source.key,
-                                            host=source.host, port=source.port, tp_size=source.tp_size))
+                                            host=source.host, port=source.port, tp_size=source.tp_size,
+                                            timeout_s=source.timeout_s))
 
     def _decode_finished(self, request: Request) -> None:
         from vllm.v1.request import RequestStatus

@@ -42,7 +42,7 @@ class PushWorker(PullWorker):
         try:
             prefill = (offer.host, offer.port, offer.tp_size)
             self.core.push_role.expect(offer.key, prefill, offer.block_ids, offer.num_tokens,
-                                       handle=offer.request_id)
+                                       handle=offer.request_id, timeout_s=offer.timeout_s)
         except KVConnectError as exc:
             self._refuse(offer.request_id, LoadFailure.of(Stage.OFFER, exc), f"{offer.host}:{offer.port}")
             return
