@@ -310,24 +310,18 @@ class OffloadScheduler:
         for rid in output.finished_sending or ():
             self._finish_store(rid, rid in meta.failed_stores)
         for job, rank in meta.stored:
-            ranks = self._stored_by.setdefault(job, set())
-            ranks.add(rank)
             if job in meta.failed_stores:
                 self._state_failed.add(job)
-            if len(ranks) < self.tp:
+            if not self._every_rank(self._stored_by, job, rank):
                 continue  # published only once every rank holds its shard of the state
-            del self._stored_by[job]
             failed = job in self._state_failed
             self._state_failed.discard(job)
             self._state_counts["state_stores"] += not failed
             self._finish_store(job, failed)
         # After the publishing above: a write-down can be reported in the step its store is.
         for rid, rank in meta.written_down:
-            ranks = self._written_by.setdefault(rid, set())
-            ranks.add(rank)
-            if len(ranks) < self.tp:
+            if not self._every_rank(self._written_by, rid, rank):
                 continue  # another rank still reads the slots: they must not be reused yet
-            del self._written_by[rid]
             if rid in self._abandoned:
                 self.manager.complete_store(self._abandoned.pop(rid), False)
                 continue
@@ -337,6 +331,15 @@ class OffloadScheduler:
         if self.lower is not None:
             self.lower.update(meta.disk_stored, meta.disk_gone)
         self._stats_file.write(self.stats())
+
+    def _every_rank(self, seen: dict[str, set[int]], job: str, rank: int) -> bool:
+        """Note that `rank` reported `job`; True, and the job forgotten, once every TP rank has."""
+        ranks = seen.setdefault(job, set())
+        ranks.add(rank)
+        if len(ranks) < self.tp:
+            return False
+        del seen[job]
+        return True
 
     def _add_load_credits(self, worker: dict[str, Any]) -> None:
         """Sum what the workers credited this step's loads with, and note the rate they were credited at."""
