@@ -207,6 +207,34 @@ def test_disk_load_of_a_whole_file_cut_short_after_start_rejects_only_the_pages_
     tier.close()
 
 
+def test_disk_file_left_with_no_page_of_its_own_is_deleted_at_start_and_after_rejects(tmp_path):
+    rng = np.random.default_rng(9)
+    pool = PoolView((rng.integers(0, 256, (4, 4096), dtype=np.uint8),))
+    keys = [bytes([i]) * 16 for i in range(2)]
+    for d in ("a", "b"):  # two directories, each with the same pages in its file 0
+        tier = DiskTier(tmp_path / d, 64 << 20)
+        tier.attach(pool)
+        assert tier.put(keys, np.arange(2)).all()
+        tier.close()
+    (old,) = (tmp_path / "a").glob(f"*{SUFFIX}")
+    (b_file,) = (tmp_path / "b").glob(f"*{SUFFIX}")
+    newer = old.with_name(f"{1:016x}{SUFFIX}")
+    b_file.rename(newer)  # a later file of directory a that holds every page of its file 0
+    tier = DiskTier(tmp_path / "a", 64 << 20)
+    tier.attach(pool)
+    assert sorted(p.name for p in (tmp_path / "a").glob(f"*{SUFFIX}")) == [newer.name]
+    assert tier.used_bytes() == newer.stat().st_size and tier.contains(keys).all()
+
+    raw = bytearray(newer.read_bytes())
+    raw[-1] ^= 1  # page 1's last byte
+    raw[-4097] ^= 1  # page 0's
+    newer.write_bytes(bytes(raw))
+    assert tier.get(keys, np.arange(2, 4)).tolist() == [False, False]
+    # Both of its pages were rejected: the file holds nothing the tier serves, so it is gone at once.
+    assert not newer.exists() and tier.used_bytes() == 0
+    tier.close()
+
+
 def test_disk_file_cut_short_is_dropped_at_start(tmp_path):
     caches = kv()
     conn = connector(caches, [DiskTier(tmp_path, 64 << 20)], slots=8)

@@ -128,6 +128,7 @@ class DiskTier(Tier):
         for path in found:
             self._adopt(path)
         self._recount()
+        self._drop_dead(set(self._files))  # files whose every page a later file holds
         if self._files:
             self._next = max(self._files) + 1
             log.info("disk tier %s: found %d pages in %d files (%d bytes)", self.path, len(self._index),
@@ -226,14 +227,16 @@ class DiskTier(Tier):
         with self._lock:
             self._files[number] = _File(path, size, data_offset, 0, new_keys)
             self._bytes += size
+            rewritten: set[int] = set()  # files that lost a page to this one
             for i, (key, checksum) in enumerate(zip(new_keys, sums.tolist())):
                 old = self._index.get(key)
                 if old is not None:
                     self._files[old[0]].live -= 1
+                    rewritten.add(old[0])
                 self._index[key] = (number, i, checksum)
             self._files[number].live = len(new_keys)
             self._note(new_keys, ())
-            self._drop_dead()
+            self._drop_dead(rewritten)
         self._count("stored", len(new_keys), nbytes)
         ok[fresh] = True
         return ok
@@ -250,12 +253,18 @@ class DiskTier(Tier):
             f.path.unlink(missing_ok=True)
             self._stats.extra["evicted_files"] = self._stats.extra.get("evicted_files", 0) + 1
 
-    def _drop_dead(self) -> None:
-        """Delete files whose every page was rewritten in a later file (lock held)."""
-        for number in [n for n, f in self._files.items() if f.live <= 0]:
-            f = self._files.pop(number)
-            self._bytes -= f.nbytes
-            f.path.unlink(missing_ok=True)
+    def _drop_dead(self, numbers: set[int]) -> None:
+        """Delete those of files `numbers` that hold no live page any more (lock held).
+
+        Only the files that just lost pages are looked at: a scan of every file per put would cost a
+        long-lived tier of many small batches milliseconds per put.
+        """
+        for number in numbers:
+            f = self._files.get(number)
+            if f is not None and f.live <= 0:
+                del self._files[number]
+                self._bytes -= f.nbytes
+                f.path.unlink(missing_ok=True)
 
     # ---- get ----
 
@@ -305,6 +314,7 @@ class DiskTier(Tier):
     def _reject(self, keys: Sequence[bytes], positions: np.ndarray, why: str) -> None:
         """Count and forget pages that cannot be trusted; log each once."""
         self._count("rejected", positions.size)
+        emptied: set[int] = set()  # files that lost a page here
         with self._lock:
             for p in positions:
                 key = keys[int(p)]
@@ -316,6 +326,8 @@ class DiskTier(Tier):
                     self._note((), (key,))
                     if hit[0] in self._files:
                         self._files[hit[0]].live -= 1
+                        emptied.add(hit[0])
+            self._drop_dead(emptied)
 
     def contains(self, keys: Sequence[bytes]) -> np.ndarray:
         """True per key indexed on disk."""
