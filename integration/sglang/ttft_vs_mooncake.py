@@ -10,7 +10,10 @@ order (A B C, then C B A, ...), and pools the rounds: a set's compute speed diff
 by several percent on a shared 2-core host, and a drift over the run would otherwise favour whichever
 backend runs first; each set's own median is printed too. `--model kv-heavy` uses a model with 8 times
 the KV per token of the e2e model, so that the transfer is a larger share of the wait. Both Mooncake
-backends run Mooncake over TCP. A backend whose tokens differ from the baseline's for the same prompt,
+backends run Mooncake over TCP. `--backends ...,nixl` adds SGLang's own NIXL backend, kvconnect-nixl's
+like-for-like baseline (not run by default: on these hosts it takes several times as long): it runs
+unchanged but for the memory kind its agent gives NIXL (VRAM, which NIXL refuses for host memory; the
+CPU shim makes it DRAM, see cpu_shim/sglang_cpu_shim/plugin.py). A backend whose tokens differ from the baseline's for the same prompt,
 or a failed request, makes the run fail (exit 1): a time is only worth reporting for a transfer that
 delivered the right pages.
 
