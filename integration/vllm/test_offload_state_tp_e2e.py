@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness import Engine, kv_config, make_tiny, prompts_of, read_stats, wait_for
+from harness import Engine, kv_config, make_tiny, prompts_of, serve_again_from_tier
+from pages import dumped_by_rank, state_hit_keys
 from kvconnect.offload.keys import block_keys, group_keys
 
 pytestmark = pytest.mark.timeout(900)
@@ -52,17 +53,9 @@ def served(tmp_path_factory):
     try:
         engine.wait_ready(timeout=400)
         first = _one_by_one(engine, prompts)
-
-        def stored():
-            engine.generate(prompts_of([3], seed=1), max_tokens=1)  # a step to report a store still in flight
-            s = read_stats(stats)
-            return s.get("state_stores", 0) >= len(prompts) and s["in_flight"] == 0 and s
-
-        before = wait_for(stored, 60, "both ranks to store the prompts' states")
-        wait_for(lambda: engine.call(op="reset_prefix_cache")["reset"], 60, "reset_prefix_cache() to succeed")
-        second = _one_by_one(engine, prompts)
-        after = wait_for(lambda: (s := read_stats(stats)) and s["loads"] > before["loads"] and s, 60,
-                         "the tier to report loads")
+        second, before, after = serve_again_from_tier(
+            engine, stats, prompts, MAX_TOKENS, lambda s: s.get("state_stores", 0) >= len(prompts) and
+            s["in_flight"] == 0, "both ranks to store the prompts' states", serve=lambda ps: _one_by_one(engine, ps))
     finally:
         engine.close()
     return SimpleNamespace(prompts=prompts, first=first, second=second, before=before, after=after, dump=d / "dump")
@@ -76,26 +69,11 @@ def test_a_tp2_lfm2_engine_resumes_prompts_from_both_ranks_stored_states_with_th
     assert s.after["state_refused"] == 0 and s.after["failed_loads"] == 0 and s.after["failed_stores"] == 0
 
 
-def _dumped(directory, kind: str, rank: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per block key (hex), the pages one rank dumped, per layer."""
-    out = {}
-    for path in directory.glob(f"{kind}-*-rank{rank}.npz"):
-        with np.load(path) as pages:
-            out[path.name[len(kind) + 1:-len(f"-rank{rank}.npz")]] = {k: pages[k] for k in pages.files}
-    return out
-
-
 def test_each_rank_loads_the_state_and_attention_pages_it_stored_byte_for_byte(served):
     s = served
-    every, last = [set(), set()], [set(), set()]
-    for prompt in s.prompts:
-        h = (len(prompt) - 1) // BLOCK
-        for g, ks in enumerate(group_keys(block_keys(prompt, BLOCK), 2)):
-            every[g].update(ks[:h])
-            last[g].add(ks[h - 1])
-    expected = ({k.hex() for k in every[0] | last[1]}, {k.hex() for k in last[0] | every[1]})
-    stored = [_dumped(s.dump, "stored", r) for r in range(TP)]
-    loaded = [_dumped(s.dump, "loaded", r) for r in range(TP)]
+    expected = state_hit_keys(s.prompts, BLOCK)
+    stored = [dumped_by_rank(s.dump, "stored", r) for r in range(TP)]
+    loaded = [dumped_by_rank(s.dump, "loaded", r) for r in range(TP)]
     for r in range(TP):
         # Every attention block of each hit and the state block at its end alone, on both ranks.
         assert set(loaded[r]) in expected, (r, len(loaded[r]))

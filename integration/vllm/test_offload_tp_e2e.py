@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from harness import Engine, kv_config, prompts_of, read_stats, serve_again_from_tier, wait_for
+from pages import dumped_by_rank
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -111,19 +112,10 @@ def test_a_restarted_tp2_engine_brings_each_ranks_shard_up_from_its_own_disk_dir
     assert third == first
 
 
-def _dumped(directory, kind: str, rank: int) -> dict[str, dict[str, np.ndarray]]:
-    """Per block key (hex), the pages one rank dumped, per layer."""
-    out = {}
-    for path in directory.glob(f"{kind}-*-rank{rank}.npz"):
-        with np.load(path) as pages:
-            out[path.name[len(kind) + 1:-len(f"-rank{rank}.npz")]] = {k: pages[k] for k in pages.files}
-    return out
-
-
 def test_each_rank_of_the_restarted_engine_loads_the_bytes_its_own_rank_stored(served):
     *_, b_after, d = served
-    stored = [_dumped(d / "offload-tp2-a", "stored", r) for r in range(2)]
-    loaded = [_dumped(d / "offload-tp2-b", "loaded", r) for r in range(2)]
+    stored = [dumped_by_rank(d / "offload-tp2-a", "stored", r) for r in range(2)]
+    loaded = [dumped_by_rank(d / "offload-tp2-b", "loaded", r) for r in range(2)]
     assert len(stored[0]) == len(stored[1]) == 3 and set(stored[0]) == set(stored[1])
     for r in range(2):
         assert set(loaded[r]) == set(stored[r]), f"rank {r} loaded other blocks than it stored"
