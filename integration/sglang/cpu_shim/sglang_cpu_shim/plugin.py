@@ -19,18 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 def _after_get_kv_class(result, *args, **kwargs):
-    if (
-        os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
-        and isinstance(result, type)
-        and getattr(result, "supports_host_tensor_indices", False)
-    ):
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or not isinstance(result, type):
+        return result
+    if getattr(result, "supports_host_tensor_indices", False):
         result.supports_host_tensor_indices = False
         logger.info("cpu_shim: %s.supports_host_tensor_indices=False", result.__name__)
-    if (
-        os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
-        and isinstance(result, type)
-        and result.__module__.startswith("sglang.srt.disaggregation.nixl.")
-    ):
+    if result.__module__.startswith("sglang.srt.disaggregation.nixl."):
         _host_memory_for_sglang_nixl()
     return result
 
