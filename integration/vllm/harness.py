@@ -245,7 +245,7 @@ class Engine:
         self.proc.wait(timeout=90)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self._ready:  # one still starting reads no commands yet
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.flush()

@@ -67,9 +67,11 @@ def main() -> None:
                                          heads=max(4, args.hidden // 64), kv_heads=max(4, args.hidden // 64),
                                          intermediate=2 * args.hidden, max_pos=4400))
         prefill_cmd, decode_cmd, pull_cmd, push_cmd = readme_pd_commands()
-        servers = [vllm_server("ttft-proxy-prefill", prefill_cmd, model, 0, {"mode": "push"}, big),
-                   vllm_server("ttft-proxy-prefill-lw", prefill_cmd, model, 0, {"mode": "push", "layerwise": True}, big),
-                   vllm_server("ttft-proxy-decode", decode_cmd, model, 1, {"mode": "push", "load_timeout_s": 60.0}, big)]
+        servers = [vllm_server("ttft-proxy-prefill", prefill_cmd, model, 0, {"mode": "push"}, big, eager=False),
+                   vllm_server("ttft-proxy-prefill-lw", prefill_cmd, model, 0, {"mode": "push", "layerwise": True}, big,
+                               eager=False),
+                   vllm_server("ttft-proxy-decode", decode_cmd, model, 1, {"mode": "push", "load_timeout_s": 60.0}, big,
+                               eager=False)]
         routers: list[Server] = []
         try:
             for s in servers:

@@ -108,8 +108,8 @@ def test_building_the_engine_config_refuses_it_before_any_engine(model):
 def _serve(model: Path, kv: dict, log: Path) -> tuple[int, str]:
     """The README's server command with `kv`, run to its exit (bounded); (exit status, its output)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", "0",
-            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--kv-transfer-config",
-            json.dumps(kv)]
+            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+            "--kv-transfer-config", json.dumps(kv)]
     env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
                TOKENIZERS_PARALLELISM="false")
     with open(log, "w") as out:

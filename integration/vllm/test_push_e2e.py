@@ -28,8 +28,9 @@ LOGPROBS = 10
 DEADLINE_S = 60.0  # decode's load_timeout_s: how long it holds offered blocks for a WRITE
 QUIESCE_S = 2.0  # how long past a claim a hold outlives it (the producer's default)
 # A request's own deadline, as a router sets it (kvconnect_load_timeout_s): well under DEADLINE_S, so a
-# failure before DEADLINE_S proves it was used, with room for a loaded host's prefill to reach its WRITE.
-REQUEST_DEADLINE_S = 25.0
+# failure before DEADLINE_S proves it was used, with room for a loaded host's prefill (already started)
+# to reach its WRITE.
+REQUEST_DEADLINE_S = 15.0
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Pair:
     held: Path  # prefill's page dumps
     loaded: Path  # decode's page dumps
     pause: Pause  # holds the prefill mid-WRITE
+    victim: Engine  # a third engine in push mode, for the kill test; started after the pair, waited for there
+    victim_pause: Pause
 
 
 @pytest.fixture(scope="module", params=[("KVConnectNixl", False), ("KVConnectMooncake", False),
@@ -62,13 +65,21 @@ def push(request, tiny_llama, tmp_path_factory):
                    "stats_path": str(dstats), "mode": "push", "load_timeout_s": DEADLINE_S,
                    "handshake_timeout_s": 15.0}),
                core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}decode", env={"KVCONNECT_DUMP_DIR": str(loaded)})
+    victim = None
     try:
         P.wait_ready()
         D.wait_ready()
-        yield Pair(name + " layer-wise" * layerwise, P, D, pstats, dstats, held, loaded, Pause(d / "pause"))
+        # It boots while the tests before the kill test run.
+        victim = Engine(tiny_llama, kv=kv_config(name, "kv_both", kv_connector_extra_config={
+                            "mode": "push", "layerwise": layerwise}),
+                        core="nobind", name=f"push-{name}-{'layerwise-' * layerwise}victim",
+                        pause_dir=d / "victim-pause")
+        yield Pair(name + " layer-wise" * layerwise, P, D, pstats, dstats, held, loaded, Pause(d / "pause"), victim,
+                   Pause(d / "victim-pause"))
     finally:
-        P.close()
-        D.close()
+        for engine in (victim, P, D):
+            if engine is not None:
+                engine.close()
 
 
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
@@ -167,16 +178,12 @@ def test_push_decode_abort_while_the_write_runs_keeps_the_blocks_until_it_has_en
     assert [o["token_ids"] for o in outs] == [r["token_ids"] for r in ref]
 
 
-def test_push_prefill_killed_fails_the_decode_within_its_deadline(push, tiny_llama, tmp_path):
+def test_push_prefill_killed_fails_the_decode_within_its_deadline(push):
     """A prefill killed mid-WRITE (layer-wise: after its first layer), then one dead before the offer: decode
     reports each an error within its load deadline (the first: the request's own, shorter one), frees the
     blocks and serves on."""
-    name, P, D = push.name, push.P, push.D
-    connector, layerwise = name.split()[0], "layer-wise" in name
-    pause = Pause(tmp_path / "pause")
-    victim = Engine(tiny_llama, kv=kv_config(connector, "kv_both", kv_connector_extra_config={
-                        "mode": "push", "layerwise": layerwise}),
-                    core="nobind", name=f"push-{connector}-{'layerwise-' * layerwise}victim", pause_dir=pause.dir)
+    name, P, D, victim, pause = push.name, push.P, push.D, push.victim, push.victim_pause
+    layerwise = "layer-wise" in name
     try:
         victim.wait_ready()
         at, key = where(victim), uuid.uuid4().hex
