@@ -32,8 +32,10 @@ $(STAMP): pyproject.toml | sysdeps
 	$(PIP) install -q -e '.[$(EXTRAS)]'
 	@touch $@
 
+# Two pytest processes, each taking whole test files (module fixtures are set up once): most tests wait
+# on subprocesses and deadlines, so two share a 2-core host well.
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: venv
 	$(VENV)/bin/kvconnect demo
