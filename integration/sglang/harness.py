@@ -138,11 +138,16 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def sglang(name: str, model: Path, logdir: Path, extra: list[str], env: dict | None = None) -> tuple[Server, str]:
-    """An SGLang server started with `extra` flags, and its base URL."""
+def sglang(name: str, model: Path, logdir: Path, extra: list[str], env: dict | None = None,
+           core: int | None = None) -> tuple[Server, str]:
+    """An SGLang server started with `extra` flags, and its base URL; `core`: every thread of it on that CPU,
+    with one OpenMP thread (SGLang binds its CPU threads itself only on AMX and Arm hosts)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     args = [PY, "-m", "sglang.launch_server", "--model-path", str(model), *COMMON, "--port", str(port), *extra]
+    if core is not None:
+        args = ["taskset", "-c", str(core), *args]
+        env = {**(env or {}), "OMP_NUM_THREADS": "1"}
     return Server(name, args, logdir, f"{base}/health", env), base
 
 
@@ -174,10 +179,14 @@ class PDSet:
     """A prefill and a decode server with one transfer backend, behind sglang_router's mini load balancer."""
 
     def __init__(self, model: Path, logdir: Path, backend: str, env: dict | None = None, tag: str = "",
-                 extra: list[str] | None = None, tp: tuple[int, int] = (1, 1)):
+                 extra: list[str] | None = None, tp: tuple[int, int] = (1, 1), cores: tuple[int, int] | None = None):
         """`tag` prefixes the servers' log names (a second set with the same backend keeps its own logs);
-        `extra` flags go to both servers; `tp`: the prefill's and the decode's TP sizes."""
-        self.backend, self.logdir, self.servers = backend, logdir, []
+        `extra` flags go to both servers; `tp`: the prefill's and the decode's TP sizes; `cores`: the CPU
+        the prefill and the decode each run on (TP 1 only), as timings need: unpinned, the decode's
+        scheduler, which spins while it waits, takes CPU from the prefill's forward."""
+        if cores is not None and tp != (1, 1):
+            raise ValueError("cores pins servers of one rank each")
+        self.backend, self.logdir, self.servers, self.cores = backend, logdir, [], cores or (None, None)
         for attempt in range(3):
             try:
                 self._start(model, logdir, f"{tag}{backend}", env, extra, tp)
@@ -195,10 +204,10 @@ class PDSet:
         try:
             self.prefill, self.prefill_url = self._add(sglang(f"prefill-{name}", model, logdir, pd + p_flags + [
                 "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)],
-                {**(env or {}), **p_env}))
+                {**(env or {}), **p_env}, self.cores[0]))
             self.decode, self.decode_url = self._add(sglang(f"decode-{name}", model, logdir, pd + d_flags + [
                 "--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup", "cpu_tensor"],
-                {**(env or {}), **d_env}))
+                {**(env or {}), **d_env}, self.cores[1]))
             deadline = time.monotonic() + START_S
             self.prefill.wait_ready(deadline)
             self.decode.wait_ready(deadline)

@@ -8,7 +8,9 @@ prefill until the pages and the first token arrived; it includes the prefill's c
 ratio to the baseline's. `--cycles N` starts every backend's set N times, in turn and in alternating
 order (A B C, then C B A, ...), and pools the rounds: a set's compute speed differs from the next set's
 by several percent on a shared 2-core host, and a drift over the run would otherwise favour whichever
-backend runs first; each set's own median is printed too. `--model kv-heavy` uses a model with 8 times
+backend runs first; each set's own median is printed too. The prefill runs on core 0 and the decode on
+core 1, one OpenMP thread each (`--no-pin`: both share every core, where the decode's scheduler, which
+spins while it waits, takes CPU from the prefill's forward). `--model kv-heavy` uses a model with 8 times
 the KV per token of the e2e model, so that the transfer is a larger share of the wait. Both Mooncake
 backends run Mooncake over TCP. `--backends ...,nixl` adds SGLang's own NIXL backend, kvconnect-nixl's
 like-for-like baseline (not run by default: on these hosts it takes several times as long): it runs
@@ -18,7 +20,7 @@ or a failed request, makes the run fail (exit 1): a time is only worth reporting
 delivered the right pages.
 
     .venv-sglang/bin/python integration/sglang/ttft_vs_mooncake.py [--rounds 5] [--lengths 64,512,1500]
-        [--model tiny|kv-heavy] [--cycles 1]
+        [--model tiny|kv-heavy] [--cycles 1] [--no-pin]
 """
 
 from __future__ import annotations
@@ -85,10 +87,11 @@ def decode_waits(log: Path) -> dict[str, float]:
 
 
 def run_backend(backend: str, model: Path, logdir: Path, prompts: dict[int, list[list[int]]], warmup: int,
-                max_new_tokens: int, tag: str = "") -> dict[int, list[tuple[str, float, list[int]]]]:
+                max_new_tokens: int, tag: str = "",
+                pin: bool = True) -> dict[int, list[tuple[str, float, list[int]]]]:
     """Per prompt length: (rid, TTFT, output ids) per timed round, from one P/D set started and stopped here
-    (`tag`: this set's prefix for its logs and request ids)."""
-    pd = PDSet(model, logdir, backend, env=ENV, extra=FLAGS, tag=tag)
+    (`tag`: this set's prefix for its logs and request ids; `pin`: prefill on core 0, decode on core 1)."""
+    pd = PDSet(model, logdir, backend, env=ENV, extra=FLAGS, tag=tag, cores=(0, 1) if pin else None)
     try:
         # Warm-up: the first requests of a set open connections and handshakes; they are not timed.
         for n in prompts:
@@ -144,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sets per backend, started in turn in alternating order; their rounds are pooled")
     ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
                     help="tiny: the e2e model; kv-heavy: 8 times its KV per token")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let the servers share every core (default: prefill on core 0, decode on core 1, one "
+                         "OpenMP thread each)")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     backends = [BASELINE] + [b for b in a.backends.split(",") if b and b != BASELINE]
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for backend in backends if cycle % 2 == 0 else backends[::-1]:
             t = time.monotonic()
             try:
-                got = run_backend(backend, model, logdir, prompts, a.warmup, a.max_new_tokens, tag)
+                got = run_backend(backend, model, logdir, prompts, a.warmup, a.max_new_tokens, tag, a.pin)
             except (RuntimeError, OSError) as exc:  # a server that did not start, a failed or timed-out request
                 print(f"FAIL: {backend}: {exc}\nlogs: {logdir}")
                 return 1
