@@ -217,27 +217,33 @@ def _raw_client(address: str):
     return raw
 
 
-def _stored(address: str, keys: list[bytes], seed: int = 4) -> tuple[StoreTier, PoolView]:
-    view = pool(8, widths=(16384, 8192), seed=seed)
+SHORT_ROWS = (16384, 8192)  # one buffer per object
+LONG_ROWS = (256 << 10, 320 << 10)  # a buffer per row and one for the trailer
+
+
+def _stored(address: str, keys: list[bytes], seed: int = 4,
+            widths: tuple[int, ...] = SHORT_ROWS) -> tuple[StoreTier, PoolView]:
+    view = pool(8, widths=widths, seed=seed)
     writer = StoreTier(address)
     writer.attach(view)
     assert writer.wait_available(30) and writer.put(keys, np.arange(len(keys))).all()
     return writer, view
 
 
-def _reader(address: str, **kw: float) -> tuple[StoreTier, PoolView]:
-    view = pool(8, widths=(16384, 8192))
+def _reader(address: str, widths: tuple[int, ...] = SHORT_ROWS, **kw: float) -> tuple[StoreTier, PoolView]:
+    view = pool(8, widths=widths)
     reader = StoreTier(address, **kw)
     reader.attach(view)
     assert reader.wait_available(30)
     return reader, view
 
 
+@pytest.mark.parametrize("widths", [SHORT_ROWS, LONG_ROWS], ids=["one-buffer", "buffer-per-row"])
 @pytest.mark.parametrize("tamper", ["flipped", "short"])
 def test_store_object_that_fails_its_checks_is_rejected_and_removed_so_lookups_stop_counting_it(
-        mooncake_store, tamper):
+        mooncake_store, tamper, widths):
     keys = keys_of(4, seed=5)
-    writer, src = _stored(mooncake_store.address, keys)
+    writer, src = _stored(mooncake_store.address, keys, widths=widths)
     name = writer._prefix + keys[2].hex()
     raw = _raw_client(mooncake_store.address)
     blob = bytearray(raw.get(name))
@@ -245,7 +251,8 @@ def test_store_object_that_fails_its_checks_is_rejected_and_removed_so_lookups_s
     blob[1000] ^= 1
     assert raw.upsert(name, bytes(blob) if tamper == "flipped" else bytes(blob[:100])) == 0
 
-    reader, dst = _reader(mooncake_store.address)
+    reader, dst = _reader(mooncake_store.address, widths)
+    assert reader._staging.splits == (widths == LONG_ROWS)
     assert reader.contains(keys).all()
     got = reader.get(keys, np.arange(4))
     assert got.tolist() == [True, True, False, True]

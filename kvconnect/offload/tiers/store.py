@@ -121,8 +121,8 @@ class StoreTier(Tier):
         """Bind to the pool and connect; a master that is down leaves the tier off, retried in the background."""
         self._pool = pool
         self._trailers = np.zeros((pool.num_slots, 2), dtype="<u8")  # magic, checksum: 16 bytes a slot
-        self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned)
         self._gather = PutStaging(pool, MAX_BATCH_KEYS) if gathers(pool) else None
+        self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned, split=self._gather is None)
         self._connect(pool.page_bytes)
 
     def open_for_lookups(self, page_bytes: int) -> None:
@@ -173,9 +173,10 @@ class StoreTier(Tier):
                 _clients_set_up[0] += 1
                 gathered = () if self._gather is None else (self._gather.rows,)
                 for arr in () if self._pool is None else (*self._pool.rows, self._trailers, self._staging.rows, *gathered):
-                    if client.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                    span = arr.strides[0] * arr.shape[0]  # staging rows are padded to pages
+                    if client.register_buffer(arr.ctypes.data, span) != 0:
                         client.close()
-                        raise KVConnectError(f"store tier: registering {arr.nbytes} bytes of host pool failed")
+                        raise KVConnectError(f"store tier: registering {span} bytes of host pool failed")
                 with self._lock:
                     if self._closed.is_set():
                         client.close()

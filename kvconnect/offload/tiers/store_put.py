@@ -17,6 +17,7 @@ import numpy as np
 
 from kvconnect.offload.mover import slot_runs
 from kvconnect.offload.tiers.base import PoolView
+from kvconnect.offload.tiers.hostbuffers import page_rows
 from kvconnect.offload.tiers.integrity import page_checksums
 from kvconnect.offload.tiers.store_staging import TRAILER_BYTES, TRAILER_MAGIC
 
@@ -34,13 +35,13 @@ class PutStaging:
 
     def __init__(self, pool: PoolView, max_rows: int):
         width = pool.page_bytes + TRAILER_BYTES
-        self.rows = np.zeros((max(1, min(max_rows, PUT_STAGING_BYTES // width)), width), dtype=np.uint8)
+        self.rows = page_rows(max(1, min(max_rows, PUT_STAGING_BYTES // width)), width)
         self._pool = pool
         self._lock = threading.Lock()  # one put at a time uses the rows
 
     def put(self, client, names: list[str], slots: np.ndarray) -> np.ndarray:
         """Gather, checksum and put the pages of `slots` as objects `names`; Mooncake's status per object."""
-        page, width = self._pool.page_bytes, self.rows.shape[1]
+        page, width, stride = self._pool.page_bytes, self.rows.shape[1], self.rows.strides[0]
         out = np.zeros(len(names), dtype=np.int64)
         with self._lock:
             per = self.rows.shape[0]
@@ -54,7 +55,7 @@ class PutStaging:
                 trailer[:, 1] = page_checksums([n.encode() for n in part], stage[:, :page])
                 base = self.rows.ctypes.data
                 out[start:start + len(part)] = client.batch_put_from(
-                    part, [base + i * width for i in range(len(part))], [width] * len(part))
+                    part, [base + i * stride for i in range(len(part))], [width] * len(part))
         return out
 
     def _gather(self, slots: np.ndarray, stage: np.ndarray) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from kvconnect.offload.tiers import overlap
 from kvconnect.offload.tiers.base import PoolView
 from kvconnect.offload.tiers.calls import InFlight
+from kvconnect.offload.tiers.hostbuffers import page_rows
 from kvconnect.offload.tiers.integrity import page_checksums
 
 log = logging.getLogger("kvconnect.offload.store")
@@ -27,8 +28,9 @@ log = logging.getLogger("kvconnect.offload.store")
 TRAILER_MAGIC = int(np.frombuffer(b"KVCSTOR1", dtype="<u8")[0])
 TRAILER_BYTES = 16
 GET_STAGING_BYTES = 64 << 20  # of pages (and their trailers), two halves; verified pages are copied from here
-# Mooncake's codes for an object that is absent, and for one larger than the buffer given.
-NOT_FOUND, TOO_LARGE = -704, -600
+# Mooncake's codes for an object that is absent, for one larger than the buffer given, and for a
+# failed transfer (what a multi-buffer get answers for an object shorter than its buffers).
+NOT_FOUND, TOO_LARGE, TRANSFER_FAIL = -704, -600, -800
 
 
 class _Half:
@@ -47,18 +49,32 @@ class StagingArea:
     objects are read into the other half, so the check and the copy overlap the transfer.
     """
 
-    def __init__(self, pool: PoolView, max_rows: int, calls: InFlight, on_abandoned: Callable[[int], None]):
+    def __init__(self, pool: PoolView, max_rows: int, calls: InFlight, on_abandoned: Callable[[int], None],
+                 split: bool = False):
         width = pool.page_bytes + TRAILER_BYTES
         # Sized by pages, the trailers besides: 64 MiB holds 32 pages of 2 MiB (four calls for 64 pages,
         # not five with a short last one).
-        self.rows = np.zeros((max(1, min(max_rows, GET_STAGING_BYTES // pool.page_bytes)), width), dtype=np.uint8)
+        self.rows = page_rows(max(1, min(max_rows, GET_STAGING_BYTES // pool.page_bytes)), width)
         half = max(1, self.rows.shape[0] // 2)
         self._halves = [_Half(self.rows[i:i + half]) for i in range(0, self.rows.shape[0] - half + 1, half)]
         self._pool = pool
+        # Mooncake moves each buffer of a multi-buffer get as a transfer of its own, in parallel: a
+        # page of long rows lands faster as one buffer per row (and one for the trailer) than as one
+        # buffer, while short rows are cheaper as one transfer (the put side's `gathers` decides both).
+        self._pieces = None
+        if split:
+            ends = np.cumsum(pool.row_bytes)
+            self._pieces = (np.concatenate(([0], ends)).astype(np.uint64),
+                            [int(n) for n in pool.row_bytes] + [TRAILER_BYTES])
         self._calls = calls
         self._on_abandoned = on_abandoned  # told how many objects a get abandoned at its deadline
         self._lock = threading.Lock()
         self.stuck = False  # an abandoned get has not returned yet
+
+    @property
+    def splits(self) -> bool:
+        """Whether an object lands as a buffer per row and one for its trailer (long rows)."""
+        return self._pieces is not None
 
     @property
     def capacity(self) -> int:
@@ -97,13 +113,14 @@ class StagingArea:
         if not half.free.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return None
         stage, n, width = half.rows, len(names), half.rows.shape[1]
+        stride = stage.strides[0]
         box: dict[str, object] = {}
         done = threading.Event()
 
         def call() -> None:
             try:
-                ptrs = [stage.ctypes.data + i * width for i in range(n)]
-                box["got"] = client.batch_get_into(names, ptrs, [width] * n)
+                bases = stage.ctypes.data + np.arange(n, dtype=np.uint64) * stride
+                box["got"] = self._get_into(client, names, bases, width)
             except Exception as exc:  # noqa: BLE001 - reported by the waiting get
                 box["error"] = exc
             with self._lock:
@@ -126,6 +143,22 @@ class StagingArea:
             log.warning("store tier: a get of %d objects failed (%s); they are misses", n, box["error"])
             return None
         return np.asarray(box["got"], dtype=np.int64)
+
+    def _get_into(self, client: Any, names: list[str], bases: np.ndarray, width: int) -> np.ndarray:
+        """Mooncake's bytes per object, each read into the staging row at its base address."""
+        if self._pieces is None:
+            return client.batch_get_into(names, bases.tolist(), [width] * len(names))
+        offsets, sizes = self._pieces
+        got = client.batch_get_into_multi_buffers(names, (bases[:, None] + offsets[None, :]).tolist(),
+                                                  [sizes] * len(names))
+        # A multi-buffer get answers TRANSFER_FAIL for an object shorter than its buffers, where a
+        # one-buffer get answers the object's length: asked again as one buffer, a short (corrupt)
+        # object is told apart from a failed transfer, and rejected as the one-buffer path rejects it.
+        got = np.asarray(got, dtype=np.int64)
+        again = np.flatnonzero(got == TRANSFER_FAIL)
+        if again.size:
+            got[again] = client.batch_get_into([names[i] for i in again], bases[again].tolist(), [width] * again.size)
+        return got
 
     def _land(self, half: _Half, names: list[str], got: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> None:
         """Check each staged object's length, trailer and checksum, copy the good ones into their slots,
