@@ -90,6 +90,39 @@ def test_disk_page_flipped_in_its_last_region_is_a_miss_after_a_restart_the_rest
     again.close()
 
 
+def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_short_tail(tmp_path, monkeypatch):
+    from kvconnect.offload.tiers import disk_load
+
+    lanes = []
+    real_lane = disk_load._lane
+    monkeypatch.setattr(disk_load, "_lane", lambda *a: lanes.append(a[-2:]) or real_lane(*a))
+    n, widths = 12, LONG_ROWS  # 3 MiB of 256 KiB rows and more: two lanes of six pages
+    view = pool(3 * n, widths, seed=7)
+    stored = pages(view, range(n))
+    keys = keys_of(n, seed=8)
+    tier = DiskTier(tmp_path, 1 << 30)
+    tier.attach(view)
+    assert tier.put(keys, np.arange(n)).all()
+    (path,) = tmp_path.glob(f"*{SUFFIX}")
+    start = read_table(path, namespace_of(b"", view.page_bytes), view.page_bytes).data_offset
+    with open(path, "r+b") as f:
+        for at in (start + 1 * widths[0] + 5, start + n * widths[0] + 9 * widths[1] + 7):  # page 1, page 9
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x01]))
+    os.truncate(path, path.stat().st_size - 100)  # page 11's last row
+
+    slots = np.arange(3 * n - 1, n, -2)  # past the stored pages, no two pages in consecutive slots
+    got = tier.get(keys, slots)
+    assert sorted(lanes) == [(0, n // 2), (n // 2, n)]
+    assert got.tolist() == [i not in (1, 9, 11) for i in range(n)]
+    good = np.flatnonzero(got)
+    assert (pages(view, slots[good]) == stored[good]).all()
+    assert tier.stats().rejected == 3 and tier.stats().loaded == n - 3
+    tier.close()
+
+
 def _writer(address: str, widths: Sequence[int], slots: int, keys: list[bytes]) -> tuple[StoreTier, PoolView]:
     src = pool(slots, widths, seed=4)
     writer = StoreTier(address)

@@ -6,10 +6,11 @@ and finds its pages again (a restarted engine keeps its prefixes). Files of anot
 layout or namespace (another model, salt or block size) are left alone; a file of ours that is cut
 short or fails its header or table checksum is deleted (logged), and no file stops the start.
 
-The checksums cost about a quarter of the I/O's time, so they overlap it (`overlap`): a store hashes
-its pages on the helper thread while they are written; a load (`disk_load`) reads region by region,
-a piece of a few MiB at a time, and hashes each piece on the helper thread while the next is read (a
-load too small to pay for the hand-off hashes its rows between the reads).
+The checksums cost about as much as reading the pages from the page cache, so they overlap the I/O
+(`overlap`): a store hashes its pages on the helper thread while they are written; a load
+(`disk_load`) of long rows reads and hashes in two lanes, each half of the pages, and one of short
+rows hashes each piece on the helper thread while the next is read (a load too small to pay for the
+hand-off hashes its rows between the reads).
 
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:
