@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from kvconnect.transport.mooncake_errors import BATCH_DEADLINES
 
@@ -311,6 +311,22 @@ def read_stats(path: Path) -> dict:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
+
+
+def outcome(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, or the exception it raised: a module fixture keeps each step's failure for the test
+    that step belongs to, and the other tests go on."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - raised again by result_of in the test it belongs to
+        return exc
+
+
+def result_of(kept: Any) -> Any:
+    """What `outcome` kept: the value, or its exception raised here."""
+    if isinstance(kept, Exception):
+        raise kept
+    return kept
 
 
 def wait_for(fn, timeout: float, what: str):

@@ -27,8 +27,8 @@ import httpx
 import numpy as np
 import pytest
 
-from harness import (Engine, add_tokenizer, kv_config, make_tiny, prompts_of, read_stats, serve_again_from_tier,
-                     wait_for)
+from harness import (Engine, add_tokenizer, kv_config, make_tiny, outcome, prompts_of, read_stats, result_of,
+                     serve_again_from_tier, wait_for)
 from test_proxy_e2e import Server, _free_port, _scrape
 
 pytestmark = pytest.mark.timeout(900)
@@ -102,10 +102,7 @@ def _served(model, d, prompts, disk: dict, shared: dict) -> SimpleNamespace:
     starting["corrupt"] = _engine(model, d, "gemma2-corrupt", [corrupt], kv_load_failure_policy="recompute")
     try:
         below = {name: _from_below(*starting[name], prompts) for name in "bc"}
-        try:
-            over_corrupt = _over_corrupt(*starting["corrupt"], prompts)
-        except Exception as exc:  # the corrupt page's own test reports it; the others go on
-            over_corrupt = exc
+        over_corrupt = outcome(_over_corrupt, *starting["corrupt"], prompts)  # its own test reports a failure
     finally:
         for engine, _ in starting.values():
             engine.close()
@@ -182,9 +179,7 @@ def _over_corrupt(engine: Engine, stats, prompts) -> tuple[list[list[int]], dict
 def test_a_corrupt_page_below_fails_its_request_which_is_recomputed_and_the_engine_serves_on(served):
     # vLLM 0.32 raises (and its engine dies) on block-level load errors for a model of several groups:
     # a page that fails its check must fail its request instead, which vLLM then recomputes.
-    if isinstance(served.over_corrupt, Exception):
-        raise served.over_corrupt
-    first, after, again = served.over_corrupt
+    first, after, again = result_of(served.over_corrupt)
     print("corrupt disk pages, engine over them:", after)
     assert first == served.first
     assert after["failed_loads"] > 0

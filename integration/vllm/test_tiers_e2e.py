@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import Engine, kv_config, prompts_of, read_stats, wait_for
+from harness import Engine, kv_config, outcome, prompts_of, read_stats, result_of, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,20 +35,6 @@ def _engine(model, d, name: str, tiers: list[dict], **kv) -> tuple[Engine, objec
 
 def _tokens(out: dict) -> list[list[int]]:
     return [o["token_ids"] for o in out["outputs"]]
-
-
-def _outcome(fn, *args):
-    """`fn(*args)`, or the exception it raised: each test reports its own engine's failure."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return exc
-
-
-def _result(outcome):
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +72,8 @@ def _served(model, d, disk: dict, shared: dict) -> SimpleNamespace:
     starting["corrupt"] = _engine(model, d, "tier-disk-corrupt-b", [{**disk, "path": str(corrupt)}],
                                   kv_load_failure_policy="recompute")
     try:
-        loaded = {kind: _outcome(_loads, *starting[kind], prompts, stored) for kind in ("store", "disk")}
-        recomputed = _outcome(_recomputes, *starting["corrupt"], lone)
+        loaded = {kind: outcome(_loads, *starting[kind], prompts, stored) for kind in ("store", "disk")}
+        recomputed = outcome(_recomputes, *starting["corrupt"], lone)
     finally:
         for engine, _ in starting.values():
             engine.close()
@@ -135,7 +121,7 @@ def _recomputes(engine: Engine, stats, prompts) -> tuple[list[list[int]], dict]:
 
 @pytest.mark.parametrize("tier", ["store", "disk"])
 def test_a_prefix_stored_by_one_engine_is_loaded_by_the_next(served, tier):
-    tokens, after = _result(served.loaded[tier])
+    tokens, after = result_of(served.loaded[tier])
     print(f"{tier} tier: engine A stored {served.stored} blocks; engine B:", after)
     assert after["tier_hits"] == after["promoted"] == served.stored and after["promote_failed"] == 0
     assert after["bytes_promoted"] == served.stored * after["bytes_stored_per_block"]
@@ -143,7 +129,7 @@ def test_a_prefix_stored_by_one_engine_is_loaded_by_the_next(served, tier):
 
 
 def test_a_corrupt_page_on_disk_is_recomputed_not_used(served):
-    tokens, after = _result(served.recomputed)
+    tokens, after = result_of(served.recomputed)
     print("corrupt disk page, engine B:", after)
     assert after["tier_hits"] == served.lone_stored and after["promoted"] == 0
     # The corrupt page left the scheduler's index; the copy holds every page A wrote.
