@@ -94,8 +94,13 @@ def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_shor
     from kvconnect.offload.tiers import disk_load
 
     lanes = []
-    real_lane = disk_load._lane
-    monkeypatch.setattr(disk_load, "_lane", lambda *a: lanes.append(a[-2:]) or real_lane(*a))
+    read_and_hash = disk_load._read_and_hash
+
+    def lane(*args, handoff):
+        lanes.append((*args[-2:], handoff))
+        return read_and_hash(*args, handoff=handoff)
+
+    monkeypatch.setattr(disk_load, "_read_and_hash", lane)
     n, widths = 12, LONG_ROWS  # 3 MiB of 256 KiB rows and more: two lanes of six pages
     view = pool(3 * n, widths, seed=7)
     stored = pages(view, range(n))
@@ -115,7 +120,7 @@ def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_shor
 
     slots = np.arange(3 * n - 1, n, -2)  # past the stored pages, no two pages in consecutive slots
     got = tier.get(keys, slots)
-    assert sorted(lanes) == [(0, n // 2), (n // 2, n)]
+    assert sorted(lanes) == [(0, n // 2, False), (n // 2, n, False)]  # each lane hashes what it reads
     assert got.tolist() == [i not in (1, 9, 11) for i in range(n)]
     good = np.flatnonzero(got)
     assert (pages(view, slots[good]) == stored[good]).all()

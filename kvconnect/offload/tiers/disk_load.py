@@ -42,54 +42,51 @@ def load_pages(fd: int, pool: PoolView, data_offset: int, count: int, in_file: n
     `count` pages whose pages start at `data_offset`) read into slots `dst` under `keys`."""
     whole = np.ones(in_file.size, dtype=bool)
     threaded = in_file.size * int(pool.row_bytes.min()) >= overlap.HANDOFF_BYTES
+    args = (fd, pool, data_offset, count, in_file, dst, keys, whole)
     if threaded and in_file.size >= 2 and int(pool.row_bytes.min()) >= LANE_ROW_BYTES:
         mid = in_file.size // 2
-        other = overlap.later(lambda: _lane(fd, pool, data_offset, count, in_file, dst, keys, whole, mid, in_file.size))
+        other = overlap.later(lambda: _read_and_hash(*args, mid, in_file.size, handoff=False))
         try:
-            first = _lane(fd, pool, data_offset, count, in_file, dst, keys, whole, 0, mid)
+            first = _read_and_hash(*args, 0, mid, handoff=False)
         finally:
             second = overlap.result(other)  # never left reading into slots that the caller may reuse
         return whole, np.concatenate([first, second])
-    pieces = _pieces(pool, in_file, dst)
-    hasher = RegionHasher(keys, pool, dst)
-    if not threaded and len(pieces) == 1 and in_file.size == count:
-        whole[read_pages(fd, pool, data_offset, pieces[0][1]):] = False
+    if not threaded and in_file.size == count and count <= _pages_per_piece(pool):
+        hasher = RegionHasher(keys, pool, dst)
+        whole[read_pages(fd, pool, data_offset, slot_spans(dst)):] = False
         for region in range(len(pool.rows)):
             hasher.add(region)
         return whole, hasher.digests()
+    return whole, _read_and_hash(*args, 0, in_file.size, handoff=threaded)
+
+
+def _pages_per_piece(pool: PoolView) -> int:
+    return max(1, PIECE_BYTES // int(pool.row_bytes.max()))
+
+
+def _read_and_hash(fd: int, pool: PoolView, data_offset: int, count: int, in_file: np.ndarray, dst: np.ndarray,
+                   keys: Sequence[bytes], whole: np.ndarray, lo: int, hi: int, handoff: bool) -> np.ndarray:
+    """Read pages `lo:hi` of a load region by region and piece by piece, hashing each piece after its
+    read (on the helper thread with `handoff`, while the next piece is read); their checksums
+    (`whole[lo:hi]` marks those that arrived whole)."""
+    # In file order, runs of consecutive pages cut into pieces: one read per region and piece, a
+    # buffer per run of slots.
+    sub, slots = in_file[lo:hi], dst[lo:hi]
+    per = _pages_per_piece(pool)
+    starts, _, lengths = slot_runs(sub)
+    bounds = [a for s, n in zip(starts.tolist(), lengths.tolist()) for a in range(s, s + n, per)] + [sub.size]
+    pieces = [(int(sub[a]), slot_spans(slots[a:b]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    hasher = RegionHasher(keys[lo:hi], pool, slots)
     hashed = None
     try:
         for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, data_offset, count))):
-            for first, spans, lo, hi in pieces:
-                whole[lo + read_region(fd, rows, offset, first, spans):hi] = False
-                if threaded:
-                    hashed = overlap.later(lambda r=region, a=lo, b=hi: hasher.add(r, a, b))
+            for first, spans, a, b in pieces:
+                whole[lo + a + read_region(fd, rows, offset, first, spans):lo + b] = False
+                if handoff:
+                    hashed = overlap.later(lambda r=region, a=a, b=b: hasher.add(r, a, b))
                 else:
-                    hasher.add(region, lo, hi)
+                    hasher.add(region, a, b)
     finally:
         if hashed is not None:
             overlap.result(hashed)  # the helper runs in order: the last piece done means all are
-    return whole, hasher.digests()
-
-
-def _pieces(pool: PoolView, in_file: np.ndarray, dst: np.ndarray) -> list[tuple[int, list, int, int]]:
-    """(first page in the file, slot spans, lo, hi) per piece: runs of consecutive pages in file order
-    cut into pieces of about PIECE_BYTES per region; one read per region and piece."""
-    per = max(1, PIECE_BYTES // int(pool.row_bytes.max()))
-    starts, _, lengths = slot_runs(in_file)
-    bounds = [lo for a, n in zip(starts.tolist(), lengths.tolist()) for lo in range(a, a + n, per)] + [in_file.size]
-    return [(int(in_file[lo]), slot_spans(dst[lo:hi]), lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def _lane(fd: int, pool: PoolView, data_offset: int, count: int, in_file: np.ndarray, dst: np.ndarray,
-          keys: Sequence[bytes], whole: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Read and hash pages `lo:hi` of a load, region by region and piece by piece; their checksums
-    (`whole[lo:hi]` marks those that arrived whole)."""
-    sub, slots = in_file[lo:hi], dst[lo:hi]
-    pieces = _pieces(pool, sub, slots)
-    hasher = RegionHasher(keys[lo:hi], pool, slots)
-    for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, data_offset, count))):
-        for first, spans, a, b in pieces:
-            whole[lo + a + read_region(fd, rows, offset, first, spans):lo + b] = False
-            hasher.add(region, a, b)
     return hasher.digests()
