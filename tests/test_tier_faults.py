@@ -294,12 +294,14 @@ def _wait_stopped(pid: int) -> None:
     raise AssertionError(f"process {pid} did not stop")
 
 
-@pytest.mark.parametrize("who", ["master", "node"])
+@pytest.mark.parametrize("who, widths", [("master", SHORT_ROWS), ("node", SHORT_ROWS), ("node", LONG_ROWS)],
+                         ids=["master", "node", "node-buffer-per-row"])
 def test_store_get_ends_within_its_bound_when_the_store_stalls_after_the_lookup_and_never_writes_late(
-        mooncake_store, who):
+        mooncake_store, who, widths):
     keys = keys_of(4, seed=6)
-    writer, src = _stored(mooncake_store.address, keys)
-    reader, dst = _reader(mooncake_store.address, get_timeout_s=2.0, retry_s=1.0)
+    writer, src = _stored(mooncake_store.address, keys, widths=widths)
+    reader, dst = _reader(mooncake_store.address, widths, get_timeout_s=2.0, retry_s=1.0)
+    assert reader._staging.splits == (widths == LONG_ROWS)
     assert reader.contains(keys).all()
     pid = (mooncake_store.master if who == "master" else mooncake_store.node).pid
     os.kill(pid, signal.SIGSTOP)
