@@ -4,7 +4,8 @@ A tier that raises during a fetch is a miss and the next tier serves; every sing
 batch file's header and key table leaves the file unserved (and the tier starting); a Mooncake Store
 object that fails its checks is rejected and removed, so lookups stop counting it; a master or a
 storage node that stalls or dies after a lookup said yes ends the get within its bound, all missed,
-and the abandoned call never writes into the pool. Real files and a real `mooncake_master`.
+and the abandoned call never writes a slot after another page was given it (staged gets never write
+the pool; gets into the slots hold them until the call returns). Real files and a real `mooncake_master`.
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def test_store_object_that_fails_its_checks_is_rejected_and_removed_so_lookups_s
     assert raw.upsert(name, bytes(blob) if tamper == "flipped" else bytes(blob[:100])) == 0
 
     reader, dst = _reader(mooncake_store.address, widths)
-    assert reader._staging.splits == (widths == LONG_ROWS)
+    assert reader._staging.direct == (widths == LONG_ROWS)
     assert reader.contains(keys).all()
     got = reader.get(keys, np.arange(4))
     assert got.tolist() == [True, True, False, True]
@@ -295,28 +296,39 @@ def _wait_stopped(pid: int) -> None:
 
 
 @pytest.mark.parametrize("who, widths", [("master", SHORT_ROWS), ("node", SHORT_ROWS), ("node", LONG_ROWS)],
-                         ids=["master", "node", "node-buffer-per-row"])
+                         ids=["master", "node", "node-into-slots"])
 def test_store_get_ends_within_its_bound_when_the_store_stalls_after_the_lookup_and_never_writes_late(
         mooncake_store, who, widths):
     keys = keys_of(4, seed=6)
     writer, src = _stored(mooncake_store.address, keys, widths=widths)
     reader, dst = _reader(mooncake_store.address, widths, get_timeout_s=2.0, retry_s=1.0)
-    assert reader._staging.splits == (widths == LONG_ROWS)
+    assert reader._staging.direct == (widths == LONG_ROWS)
     assert reader.contains(keys).all()
     pid = (mooncake_store.master if who == "master" else mooncake_store.node).pid
     os.kill(pid, signal.SIGSTOP)
     try:
         _wait_stopped(pid)
         _stall_get(reader, dst, keys, bound=3.0)
-        for rows in dst.rows:
-            rows[:] = 0x5A  # the pool hands these slots to other pages now
+        # Staged gets never wrote the slots; gets into the slots keep them held while the call lives.
+        assert dst.quarantine.held(np.arange(4)).tolist() == [widths == LONG_ROWS] * 4
+        if widths == SHORT_ROWS:
+            for rows in dst.rows:
+                rows[:] = 0x5A  # the pool hands these slots to other pages now
     finally:
         os.kill(pid, signal.SIGCONT)
+    # Slots come free once the abandoned call returned (Mooncake's own bound); other pages go there then.
+    deadline = time.monotonic() + 60
+    while dst.quarantine.held(np.arange(4)).any() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not dst.quarantine.held(np.arange(4)).any()
+    for rows in dst.rows:
+        rows[:4] = 0x5A
     deadline = time.monotonic() + 60
     while not (got := reader.get(keys, np.arange(4, 8))).all() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert got.all() and (pages(dst, range(4, 8)) == pages(src, range(4))).all()
-    assert (pages(dst, range(4)) == 0x5A).all(), "an abandoned get wrote into the pool when it returned"
+    assert (pages(dst, range(4)) == 0x5A).all(), "an abandoned get wrote into the pool after its slots came free"
+    assert dst.quarantine.count == 0
     reader.close()
     writer.close()
 

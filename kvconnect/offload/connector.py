@@ -103,7 +103,7 @@ class OffloadConnector:
         manager = OffloadManager(num_slots, self.policy, slot_bytes)
         mover = BlockMover(kv_caches, regions, num_slots)
         if self._tiers:
-            view = PoolView(tuple(p.view(torch.uint8).numpy() for p in mover.pool))
+            view = PoolView(tuple(p.view(torch.uint8).numpy() for p in mover.pool), mover.quarantine)
             self._chain = TierChain(self._tiers, view)
         self._runner = JobRunner(self._workers)
         self._regions, self._manager, self._mover = regions, manager, mover

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvconnect.errors import LayoutError, TransferError
+from kvconnect.offload.quarantine import SlotQuarantine
 from kvconnect.regions import Region, RegionSet
 
 # Beyond this many runs of consecutive slots, per-run calls would approach one call per block, so the
@@ -103,6 +104,8 @@ class BlockMover:
         # Set when GPU copies timed out: they may still be writing pool slots or cache blocks, so no
         # further copy may reuse either.
         self.broken: str | None = None
+        # Slots a lower tier's abandoned read may still write: a store into them is dropped (the tiers' PoolView shares it).
+        self.quarantine = SlotQuarantine(num_slots)
 
     @property
     def slot_bytes(self) -> int:
@@ -133,6 +136,9 @@ class BlockMover:
               regions: np.ndarray | None) -> None:
         if block_ids.size == 0:
             return
+        if to_pool and self.quarantine.held(slots).any():
+            raise TransferError("pool slots of this store may still be written by a lower tier's read abandoned at "
+                                "its deadline; the store is dropped")
         parts = self._parts(regions)
         if not self.is_cuda:
             self._host_copy(parts, block_ids, slots, to_pool)

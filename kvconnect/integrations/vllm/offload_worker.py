@@ -91,7 +91,8 @@ class OffloadWorker:
         self._mover = BlockMover(kv_caches, regions, self.num_slots)
         self._dump = PageDump.from_env(kv_caches, (), self.rank if self.tp > 1 else None)
         if self._tiers:
-            self._chain = TierChain(self._tiers, PoolView(tuple(p.view(torch.uint8).numpy() for p in self._mover.pool)))
+            view = PoolView(tuple(p.view(torch.uint8).numpy() for p in self._mover.pool), self._mover.quarantine)
+            self._chain = TierChain(self._tiers, view)
             self._fetcher = JobRunner(1, name="kvconnect-offload-fetch")
 
     def start(self, meta: KVConnectMeta) -> None:

@@ -23,13 +23,19 @@ from typing import Sequence
 import numpy as np
 
 from kvconnect import metrics
+from kvconnect.offload.quarantine import SlotQuarantine
 
 
 @dataclass(frozen=True)
 class PoolView:
-    """The host pool as a tier sees it: one `(num_slots, row_bytes)` uint8 array per region."""
+    """The host pool as a tier sees it: one `(num_slots, row_bytes)` uint8 array per region.
+
+    `quarantine` holds the slots that an abandoned call may still write (`kvconnect.offload.quarantine`);
+    give the mover's when the pool is the mover's, so that it drops a store into one of them.
+    """
 
     rows: tuple[np.ndarray, ...]
+    quarantine: SlotQuarantine | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         slots = {r.shape[0] for r in self.rows}
@@ -37,6 +43,8 @@ class PoolView:
             raise ValueError("a pool view is one (num_slots, row_bytes) uint8 array per region, equal slot counts")
         if any(not r.flags.c_contiguous for r in self.rows):
             raise ValueError("pool arrays must be C-contiguous")
+        if self.quarantine is None:
+            object.__setattr__(self, "quarantine", SlotQuarantine(self.num_slots))
 
     @property
     def num_slots(self) -> int:

@@ -113,12 +113,14 @@ class TierChain:
 
         A tier that raises returns nothing: its pages count as missed (logged with the tier's name
         and error) and the next tier is asked for them, so the result names exactly the pages that
-        some tier read and verified. Slots of pages that are False hold undefined bytes.
+        some tier read and verified. Slots of pages that are False hold undefined bytes. A slot that a
+        tier's abandoned read may still write (the pool's quarantine) is asked of no later tier: its
+        page stays missed, never verified and then overwritten.
         """
         slots = np.asarray(slots, dtype=np.int64)
         ok = np.zeros(len(keys), dtype=bool)
         for tier in self.tiers:
-            todo = np.flatnonzero(~ok)
+            todo = np.flatnonzero(~ok & ~self.pool.quarantine.held(slots))
             if todo.size == 0:
                 break
             try:

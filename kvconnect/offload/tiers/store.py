@@ -6,10 +6,11 @@ segment). An object is a page's rows, region by region, then a 16-byte trailer (
 page's checksum over its key and bytes). A put of pages with short rows gathers each into one
 registered buffer with its trailer (`store_put`: one transfer per object, not one per row); longer
 rows are put in place from the pool's slots (they and an array of trailers are registered with the
-client). A get is bounded by `get_timeout_s` and lands in a registered staging area first
-(`store_staging`), checked and copied a part at a time while the next part arrives; an object that
-fails its checks is removed from the store and denied here until that succeeds (`store_denylist`),
-so no instance counts it again.
+client). A get is bounded by `get_timeout_s` (`store_staging`): short rows land in a registered
+staging area and are copied into their slots once checked, long rows land in their slots (an
+abandoned call's slots held in the pool's quarantine until it returns), each part checked while the
+next arrives; an object that fails its checks is removed from the store and denied here until that
+succeeds (`store_denylist`), so no instance counts it again.
 
 The master's health decides what happens, never the engine's step: down at start, the tier warns
 once and stays off while a background thread tries again every `retry_s`; killed mid-run, gets and
@@ -36,7 +37,7 @@ from kvconnect.offload.tiers.integrity import namespace_of, slot_checksums
 from kvconnect.offload.tiers.store_denylist import FORGET_WAIT_S, MAX_DENIED, DenyList
 from kvconnect.offload.tiers.store_put import PutStaging, gathers
 from kvconnect.offload.tiers.store_staging import (GET_STAGING_BYTES, NOT_FOUND, TOO_LARGE, TRAILER_BYTES,
-                                                   TRAILER_MAGIC, StagingArea)
+                                                   TRAILER_MAGIC, StagingArea, object_buffers)
 from kvconnect.threads import spawn, unpinned
 
 log = logging.getLogger("kvconnect.offload.store")
@@ -122,7 +123,7 @@ class StoreTier(Tier):
         self._pool = pool
         self._trailers = np.zeros((pool.num_slots, 2), dtype="<u8")  # magic, checksum: 16 bytes a slot
         self._gather = PutStaging(pool, MAX_BATCH_KEYS) if gathers(pool) else None
-        self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned, split=self._gather is None)
+        self._staging = StagingArea(pool, MAX_BATCH_KEYS, self._calls, self._abandoned, direct=self._gather is None)
         self._connect(pool.page_bytes)
 
     def open_for_lookups(self, page_bytes: int) -> None:
@@ -198,15 +199,6 @@ class StoreTier(Tier):
     def _names(self, keys: Sequence[bytes]) -> list[str]:
         return [self._prefix + k.hex() for k in keys]
 
-    def _buffers(self, slots: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
-        """Per slot, the address and size of its row in every region, then of its trailer."""
-        pool = self._pool
-        addrs = np.concatenate([pool.addresses(slots),
-                                (self._trailers.ctypes.data + slots.astype(np.uint64) * TRAILER_BYTES)[:, None]],
-                               axis=1)
-        sizes = [int(n) for n in pool.row_bytes] + [TRAILER_BYTES]
-        return addrs.tolist(), [sizes] * slots.size
-
     def _batches(self, n: int) -> list[slice]:
         # The bound counts the pages' bytes, not their 16-byte trailers: counted in, they would cut a
         # batch of 2 MiB pages to 31 and cost a third call for 64 pages, where Mooncake's own moves two.
@@ -235,8 +227,9 @@ class StoreTier(Tier):
             if i + 1 < len(parts):
                 sealing = overlap.later(lambda p=parts[i + 1]: self._seal(names[p], slots[p]))
             try:
-                ptrs, sizes = self._buffers(slots[part])
-                out[part] = self._client.batch_put_from_multi_buffers(names[part], ptrs, sizes)
+                trailers = self._trailers.ctypes.data + slots[part].astype(np.uint64) * TRAILER_BYTES
+                out[part] = self._client.batch_put_from_multi_buffers(
+                    names[part], *object_buffers(self._pool, slots[part], trailers))
             finally:
                 if sealing is not None:
                     overlap.result(sealing)  # never left writing trailers after the put returned
