@@ -58,5 +58,10 @@ def test_tier_bench_reports_each_size_beside_its_raw_baseline_and_the_target(cap
         assert size["store_ratio"] == pytest.approx(size["store_gbps"] / size["raw_store_gbps"])
         assert size["load_ratio"] == pytest.approx(size["load_gbps"] / size["raw_load_gbps"])
         assert size["meets_target"] == (min(size["store_ratio"], size["load_ratio"]) >= 0.9)
+        for op, ours, raw in (("store", "store_gbps", "raw_store_gbps"), ("load", "load_gbps", "raw_load_gbps")):
+            # Seconds add: the raw operation's and one checksum pass's, over the tier's.
+            seconds = 1 / size[raw] + 1 / size["check_gbps"]
+            assert size[f"{op}_ratio_vs_raw_and_check"] == pytest.approx(seconds * size[ours])
     code, out = _run_tier(capsys, "--tier", tier, "--page-kib", "64", "--pages", "2", "--repeat", "1", "--dir", str(tmp_path))
     assert code == 0 and "target: store and load >= 0.9 x raw" in out and "match the stored pages" in out
+    assert "+check: the same against the raw operation followed by one checksum pass" in out
