@@ -179,3 +179,22 @@ def test_a_lease_given_up_ends_once_every_rank_that_claimed_it_finished_not_when
     assert table.claim(["b"], 60.0, readers=2, claimant=("prefill", 0))[1] == {"b": "lease aborted"}
     table.release("b", ReleaseReason.DONE, ("prefill", 1), 2)
     assert [r.reason for r in table.drain_released()] == [ReleaseReason.ABORTED]
+
+
+def test_a_prefills_rank_ports_are_free_and_outside_the_ephemeral_range():
+    """The ranks' ports are free when handed out and lie below the range outgoing connections draw from,
+    so no connection made between the check and the ranks' binds can take one."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    for _ in range(5):
+        base = consecutive_ports("127.0.0.1", 4)
+        assert base + 4 <= ephemeral or ephemeral <= 20004, (base, ephemeral)
+        held = [socket.socket() for _ in range(4)]
+        try:
+            for p, s in enumerate(held):
+                s.bind(("127.0.0.1", base + p))
+        finally:
+            for s in held:
+                s.close()

@@ -13,6 +13,7 @@ request is timed from the offers to the last decode rank's load.
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -40,12 +41,18 @@ class TPSpec:
 
 def consecutive_ports(host: str, n: int) -> int:
     """A base port with `n` free ports from it (a push-mode prefill's rank r listens at base + r)."""
-    for _ in range(50):
+    # Drawn below the kernel's ephemeral range: between this check and the ranks' binds, the ports
+    # are free, and any outgoing connection or `bind(0)` on the host could take one from that range.
+    low, high = _outside_ephemeral(n)
+    for attempt in range(50):
         held: list[socket.socket] = []
         try:
-            with socket.socket() as first:
-                first.bind((host, 0))
-                base = first.getsockname()[1]
+            if low < high and attempt < 40:
+                base = random.randrange(low, high)
+            else:
+                with socket.socket() as first:
+                    first.bind((host, 0))
+                    base = first.getsockname()[1]
             for p in range(base, base + n):
                 held.append(socket.socket())
                 held[-1].bind((host, p))
@@ -56,6 +63,16 @@ def consecutive_ports(host: str, n: int) -> int:
             for s in held:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports on {host}")
+
+
+def _outside_ephemeral(n: int) -> tuple[int, int]:
+    """Bases [low, high) whose `n` ports lie between 20000 and the kernel's ephemeral range (empty if none)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return 20000, first - n
 
 
 def rank_caches(spec: TPSpec, num_blocks: int, tp: int, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
