@@ -5,7 +5,7 @@ argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM k
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
 {"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true |
 "abort_when": path} (generate,
-aborting some requests on the way; "stagger_steps": k adds request i after i*k engine steps; "ids"
+aborting some requests on the way; "aborted_mark": path is created once all of them are aborted; "stagger_steps": k adds request i after i*k engine steps; "ids"
 names the requests; each output says when its request was added, when its first token came and when
 it finished, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
 Replies carry "ok" and results.
@@ -109,6 +109,8 @@ def run_with_aborts(llm, cmd: dict) -> dict:
             engine.abort_request(sorted({internal[r] for r in due}), internal=True)
             for r in due:
                 done[r] = {"token_ids": [], "finish_reason": "aborted"}
+            if "aborted_mark" in cmd and doomed <= done.keys():
+                open(cmd["aborted_mark"], "w").close()
     return {"ok": len(done) == len(ids), "wall_s": time.perf_counter() - t0,
             "outputs": [done.get(r, {"token_ids": [], "finish_reason": "timeout"}) for r in ids]}
 

@@ -97,7 +97,16 @@ def test_pd_concurrent(pd):
     assert read_stats(pstats)["held_blocks"] == 0
 
 
-def test_pd_decode_aborts_while_the_prefill_is_stalled(pd):
+def _resume_after(engine: Engine, mark, limit_s: float) -> None:
+    """SIGCONT `engine` a second after `mark` exists (or after `limit_s`, when the test fails anyway)."""
+    end = time.monotonic() + limit_s
+    while not mark.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    engine.signal(signal.SIGCONT)
+
+
+def test_pd_decode_aborts_while_the_prefill_is_stalled(pd, tmp_path):
     """Decode aborts requests whose pulls wait on a stopped prefill. Each aborted load ends (finished, or
     failed once nothing more can land) before vLLM frees its blocks; after the prefill resumes, the other
     requests and later ones, which reuse those blocks, give the tokens of a plain run."""
@@ -106,12 +115,16 @@ def test_pd_decode_aborts_while_the_prefill_is_stalled(pd):
     base = _tokens(P.generate(prompts, max_tokens=MAX_TOKENS))
     pre = P.generate(prompts, max_tokens=1, params=[{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    # The prefill resumes once decode has aborted requests 0 and 1 (2 s into its run), never on a clock of
+    # its own: a decode slow to start its run on a loaded host would otherwise see the prefill back first.
+    aborted = tmp_path / "aborted"
     P.signal(signal.SIGSTOP)
-    resume = threading.Timer(6.0, P.signal, args=(signal.SIGCONT,))
+    resume = threading.Thread(target=_resume_after, args=(P, aborted, 120.0))
     resume.start()
     try:
         # Requests 0 and 1 are aborted while their pulls wait on the stopped prefill; 2 and 3 go on.
-        out = D.run(prompts, max_tokens=MAX_TOKENS, params=params, abort=[0, 1], abort_after_s=2.0, timeout=240)
+        out = D.run(prompts, max_tokens=MAX_TOKENS, params=params, abort=[0, 1], abort_after_s=2.0, timeout=240,
+                    aborted_mark=str(aborted))
     finally:
         resume.join()
         P.signal(signal.SIGCONT)
