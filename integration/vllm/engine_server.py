@@ -4,9 +4,9 @@ Run by the e2e tests and compare.py in a new session (so the whole process group
 argv[1] is a JSON object: model, kv (KVTransferConfig fields or null), and LLM keyword arguments.
 Commands: {"op": "generate", "prompts": [[ids]...], "max_tokens": n, "params": [kv params|null...]},
 {"op": "run", ... "abort": [indices], "abort_after_s": s | "abort_at_first_token": true |
-"abort_when": path} (generate,
-aborting some requests on the way; "aborted_mark": path is created once all of them are aborted; "stagger_steps": k adds request i after i*k engine steps; "ids"
-names the requests; each output says when its request was added, when its first token came and when
+"abort_when": path} (generate, aborting some requests on the way; "aborted_mark": path is created
+once all of them are aborted; "stagger_steps": k adds request i after i*k engine steps; "ids" names
+the requests; each output says when its request was added, when its first token came and when
 it finished, in unix seconds), {"op": "reset_prefix_cache"}, {"op": "ping"}, {"op": "quit"}.
 Replies carry "ok" and results.
 """
