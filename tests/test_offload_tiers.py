@@ -162,7 +162,7 @@ def test_disk_page_with_a_flipped_byte_is_a_miss_never_wrong_bytes(tmp_path):
     conn.close()
 
 
-@pytest.mark.parametrize("handoff", [0, 1 << 40], ids=["helper-thread", "inline"])
+@pytest.mark.parametrize("handoff", [0, 1 << 40], ids=["two-lanes", "inline"])
 def test_disk_load_read_in_pieces_is_byte_exact_and_rejects_only_the_flipped_page(tmp_path, monkeypatch, handoff):
     monkeypatch.setattr(disk_load, "PIECE_BYTES", 3 * 4096)  # three pages a piece: several per region
     monkeypatch.setattr(overlap, "HANDOFF_BYTES", handoff)

@@ -90,18 +90,21 @@ def test_disk_page_flipped_in_its_last_region_is_a_miss_after_a_restart_the_rest
     again.close()
 
 
-def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_short_tail(tmp_path, monkeypatch):
-    from kvconnect.offload.tiers import disk_load
+@pytest.mark.parametrize("widths", [SHORT_ROWS, LONG_ROWS], ids=["short-rows", "long-rows"])
+def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_short_tail(tmp_path, monkeypatch, widths):
+    from kvconnect.offload.tiers import disk_load, overlap
+
+    monkeypatch.setattr(overlap, "HANDOFF_BYTES", 0)  # short rows too: any load of two pages takes two lanes
 
     lanes = []
     read_and_hash = disk_load._read_and_hash
 
-    def lane(*args, handoff):
-        lanes.append((*args[-2:], handoff))
-        return read_and_hash(*args, handoff=handoff)
+    def lane(*args):
+        lanes.append(args[-2:])
+        return read_and_hash(*args)
 
     monkeypatch.setattr(disk_load, "_read_and_hash", lane)
-    n, widths = 12, LONG_ROWS  # 3 MiB of 256 KiB rows and more: two lanes of six pages
+    n = 12  # two lanes of six pages
     view = pool(3 * n, widths, seed=7)
     stored = pages(view, range(n))
     keys = keys_of(n, seed=8)
@@ -120,7 +123,7 @@ def test_disk_load_in_two_lanes_rejects_a_bad_page_in_either_half_and_a_cut_shor
 
     slots = np.arange(3 * n - 1, n, -2)  # past the stored pages, no two pages in consecutive slots
     got = tier.get(keys, slots)
-    assert sorted(lanes) == [(0, n // 2, False), (n // 2, n, False)]  # each lane hashes what it reads
+    assert sorted(lanes) == [(0, n // 2), (n // 2, n)]  # each lane hashes what it reads
     assert got.tolist() == [i not in (1, 9, 11) for i in range(n)]
     good = np.flatnonzero(got)
     assert (pages(view, slots[good]) == stored[good]).all()

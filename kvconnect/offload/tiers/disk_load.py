@@ -1,16 +1,15 @@
 """The disk tier's load of one batch file: pages read straight into their slots and hashed as they arrive.
 
 A batch file holds its pages region by region (`batchfile`). A load reads each region's rows of the
-pages asked for in pieces of about PIECE_BYTES and hashes each piece once it is read. How the two
-cores share that depends on whether xxhash releases the GIL for a row (rows over 64 KiB):
-
-- Long rows: two lanes, the caller's thread and the helper (`overlap`), each read and hash half of
-  the pages. Reads and hashes of both lanes run at once: measured here at 512 KiB rows, a load went
-  from 0.56-0.79 of a plain read of the same bytes to 0.91-1.03.
-- Short rows: the caller reads and the helper hashes each piece while the next is read (a hash of
-  short rows holds the GIL, so two lanes would take turns; measured slower here).
-- A load too small to pay for waking the helper (`overlap.HANDOFF_BYTES`) hashes its rows between
-  the reads, and one that takes a whole file reads it in a single vectored read.
+pages asked for in pieces of about PIECE_BYTES and hashes each piece once it is read, in two lanes:
+the caller's thread and the helper (`overlap`) each read and hash half of the pages. Rows over 64 KiB
+are hashed with the GIL released, so both lanes' reads and hashes run at once (measured here at 512
+KiB rows: 0.91-1.03 of a plain read of the same bytes, against 0.56-0.79 in one lane). Shorter rows
+hold the GIL while hashed, so the lanes take turns: one hashes while the other's read runs in the
+kernel (16 KiB rows, 16-32 MiB loads: 0.60-0.70 of a plain read, against 0.56-0.61 with the caller
+reading and the helper hashing behind it). A load too small to pay for waking the helper
+(`overlap.HANDOFF_BYTES`) hashes its rows between the reads, and one that takes a whole file reads it
+in a single vectored read.
 
 The caller compares the checksums with the ones the file's table holds: until then the slots hold
 bytes nobody has vouched for, and the engine reads none of them.
@@ -31,9 +30,6 @@ from kvconnect.offload.tiers.integrity import RegionHasher
 # Rows of one region read (and hashed) at a time: the hash of the last piece is all that is left
 # after the last read, and the piece is still in the cache when it is hashed.
 PIECE_BYTES = 2 << 20
-# Rows this long are loaded in two lanes (64 KiB rows still hold the GIL while hashed, but their
-# reads overlap: 0.60-0.72 of a plain read against 0.45-0.65 in one lane, measured here).
-LANE_ROW_BYTES = 64 << 10
 
 
 def load_pages(fd: int, pool: PoolView, data_offset: int, count: int, in_file: np.ndarray, dst: np.ndarray,
@@ -43,11 +39,11 @@ def load_pages(fd: int, pool: PoolView, data_offset: int, count: int, in_file: n
     whole = np.ones(in_file.size, dtype=bool)
     threaded = in_file.size * int(pool.row_bytes.min()) >= overlap.HANDOFF_BYTES
     args = (fd, pool, data_offset, count, in_file, dst, keys, whole)
-    if threaded and in_file.size >= 2 and int(pool.row_bytes.min()) >= LANE_ROW_BYTES:
+    if threaded and in_file.size >= 2:
         mid = in_file.size // 2
-        other = overlap.later(lambda: _read_and_hash(*args, mid, in_file.size, handoff=False))
+        other = overlap.later(lambda: _read_and_hash(*args, mid, in_file.size))
         try:
-            first = _read_and_hash(*args, 0, mid, handoff=False)
+            first = _read_and_hash(*args, 0, mid)
         finally:
             second = overlap.result(other)  # never left reading into slots that the caller may reuse
         return whole, np.concatenate([first, second])
@@ -57,7 +53,7 @@ def load_pages(fd: int, pool: PoolView, data_offset: int, count: int, in_file: n
         for region in range(len(pool.rows)):
             hasher.add(region)
         return whole, hasher.digests()
-    return whole, _read_and_hash(*args, 0, in_file.size, handoff=threaded)
+    return whole, _read_and_hash(*args, 0, in_file.size)
 
 
 def _pages_per_piece(pool: PoolView) -> int:
@@ -65,10 +61,9 @@ def _pages_per_piece(pool: PoolView) -> int:
 
 
 def _read_and_hash(fd: int, pool: PoolView, data_offset: int, count: int, in_file: np.ndarray, dst: np.ndarray,
-                   keys: Sequence[bytes], whole: np.ndarray, lo: int, hi: int, handoff: bool) -> np.ndarray:
+                   keys: Sequence[bytes], whole: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Read pages `lo:hi` of a load region by region and piece by piece, hashing each piece after its
-    read (on the helper thread with `handoff`, while the next piece is read); their checksums
-    (`whole[lo:hi]` marks those that arrived whole)."""
+    read; their checksums (`whole[lo:hi]` marks those that arrived whole)."""
     # In file order, runs of consecutive pages cut into pieces: one read per region and piece, a
     # buffer per run of slots.
     sub, slots = in_file[lo:hi], dst[lo:hi]
@@ -77,16 +72,8 @@ def _read_and_hash(fd: int, pool: PoolView, data_offset: int, count: int, in_fil
     bounds = [a for s, n in zip(starts.tolist(), lengths.tolist()) for a in range(s, s + n, per)] + [sub.size]
     pieces = [(int(sub[a]), slot_spans(slots[a:b]), a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     hasher = RegionHasher(keys[lo:hi], pool, slots)
-    hashed = None
-    try:
-        for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, data_offset, count))):
-            for first, spans, a, b in pieces:
-                whole[lo + a + read_region(fd, rows, offset, first, spans):lo + b] = False
-                if handoff:
-                    hashed = overlap.later(lambda r=region, a=a, b=b: hasher.add(r, a, b))
-                else:
-                    hasher.add(region, a, b)
-    finally:
-        if hashed is not None:
-            overlap.result(hashed)  # the helper runs in order: the last piece done means all are
+    for region, (rows, offset) in enumerate(zip(pool.rows, region_offsets(pool, data_offset, count))):
+        for first, spans, a, b in pieces:
+            whole[lo + a + read_region(fd, rows, offset, first, spans):lo + b] = False
+            hasher.add(region, a, b)
     return hasher.digests()

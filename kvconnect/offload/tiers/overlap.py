@@ -23,9 +23,9 @@ T = TypeVar("T")
 # A job shorter than this costs about as much in waking the helper thread as it overlaps (measured
 # with `kvconnect bench offload --tier disk`): smaller batches are hashed on the caller's thread.
 # xxhash releases the GIL only for buffers longer than 64 KiB (python-xxhash's XXHASH_GIL_MINSIZE,
-# a strict comparison): a job of shorter rows holds the GIL between its calls, so a caller whose read
-# returns meanwhile waits for the GIL until that job ends, which is why jobs are pieces of a region
-# (a few MiB, hashed faster than the next piece is read), never whole batches.
+# a strict comparison): a job hashing shorter rows holds the GIL between its calls, so a caller whose
+# read returns meanwhile waits for the GIL until that hash call ends; jobs start a hash only once the
+# caller has started its own I/O, or hash in pieces between reads of their own (`disk_load`'s lanes).
 HANDOFF_BYTES = 2 << 20
 
 # A batch's checksums take milliseconds; a helper this late is stuck, and the batch fails (typed).
