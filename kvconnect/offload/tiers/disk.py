@@ -8,9 +8,8 @@ short or fails its header or table checksum is deleted (logged), and no file sto
 
 The checksums cost about as much as reading the pages from the page cache, so they overlap the I/O
 (`overlap`): a store hashes its pages on the helper thread while they are written; a load
-(`disk_load`) of long rows reads and hashes in two lanes, each half of the pages, and one of short
-rows hashes each piece on the helper thread while the next is read (a load too small to pay for the
-hand-off hashes its rows between the reads).
+(`disk_load`) reads and hashes in two lanes, each half of the pages, so that one lane hashes while
+the other's read runs (a load too small to pay for the hand-off hashes its rows between the reads).
 
 Eviction is whole files, oldest first, when a new batch would pass `max_bytes`. Reads go into the
 slots that a promotion allocated and not yet published, and each page's checksum is checked there:

@@ -60,8 +60,8 @@ class RegionHasher:
     """Checksums of pages built region by region as their rows arrive (equal to `slot_checksums`).
 
     A reader that fills the pages one region at a time hands each region, or a piece of it, here
-    once it is read (`add`, on the helper thread), so the hash of one piece overlaps the read of
-    the next.
+    once it is read (`add`); a load in two lanes (`disk_load`) hashes one lane's piece while the
+    other lane's read runs.
     """
 
     def __init__(self, keys: Sequence[bytes], pool: PoolView, slots: np.ndarray):
