@@ -6,10 +6,10 @@ the caller's thread and the helper (`overlap`) each read and hash half of the pa
 are hashed with the GIL released, so both lanes' reads and hashes run at once (measured here at 512
 KiB rows: 0.91-1.03 of a plain read of the same bytes, against 0.56-0.79 in one lane). Shorter rows
 hold the GIL while hashed, so the lanes take turns: one hashes while the other's read runs in the
-kernel (16 KiB rows, 16-32 MiB loads: 0.60-0.70 of a plain read, against 0.56-0.61 with the caller
-reading and the helper hashing behind it). A load too small to pay for waking the helper
-(`overlap.HANDOFF_BYTES`) hashes its rows between the reads, and one that takes a whole file reads it
-in a single vectored read.
+kernel (16 KiB rows, 512-page loads: 0.62-0.65 of a plain read, against 0.50-0.60 with the caller
+reading and the helper hashing behind it; at 256 pages the two were within each other's noise). A
+load too small to pay for waking the helper (`overlap.HANDOFF_BYTES`) hashes its rows between the
+reads, and one that takes a whole file reads it in a single vectored read.
 
 The caller compares the checksums with the ones the file's table holds: until then the slots hold
 bytes nobody has vouched for, and the engine reads none of them.
