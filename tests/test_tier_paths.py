@@ -21,8 +21,8 @@ from kvconnect.offload.tiers.store import TRAILER_BYTES, StoreTier
 from kvconnect.offload.tiers.store_put import gathers
 
 pytestmark = pytest.mark.timeout(300)
-SHORT_ROWS = (16 << 10, 8 << 10)  # hashed inline on a disk load; gathered into one buffer per object
-LONG_ROWS = (256 << 10, 320 << 10)  # hashed on the helper thread; put straight from the pool
+SHORT_ROWS = (16 << 10, 8 << 10)  # hashed holding the GIL (64 KiB or less); gathered into one buffer per object
+LONG_ROWS = (256 << 10, 320 << 10)  # hashed with the GIL released; put straight from the pool
 
 
 def pool(slots: int, widths: Sequence[int], seed: int | None = None) -> PoolView:
